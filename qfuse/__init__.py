@@ -1,0 +1,46 @@
+"""qfuse: quantization-aware fusion for PyTorch.
+
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
+    for batch in calibration_batches:
+        prepared(batch)
+    qmodel = qfuse.convert(prepared)
+    print(qfuse.summary(qmodel))
+"""
+
+from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
+from qfuse.convert import convert
+from qfuse.errors import (
+    BackendError,
+    CalibrationError,
+    CaptureError,
+    FormatError,
+    QFuseError,
+    ShapeError,
+    UnsupportedError,
+)
+from qfuse.ops.backend import Backend, resolve_backend, use_backend
+from qfuse.prepare import prepare
+from qfuse.summary import Summary, summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "CalibrationError",
+    "CaptureError",
+    "FormatError",
+    "PerChannel",
+    "PerTensor",
+    "PerToken",
+    "QConfig",
+    "QFuseError",
+    "ShapeError",
+    "Summary",
+    "UnsupportedError",
+    "convert",
+    "prepare",
+    "resolve_backend",
+    "summary",
+    "use_backend",
+]

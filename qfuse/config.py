@@ -1,0 +1,142 @@
+"""Quantization configs: frozen, validated dataclasses with presets and a versioned dict form.
+
+Granularity is a type, not a string: ``PerTensor()``, ``PerChannel(axis)``, ``PerToken()``.
+Weights are always symmetric (zero point 0), which keeps the fused GEMM free of a weight
+zero-point correction; ``symmetric`` chooses the activation scheme.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from qfuse.errors import UnsupportedError
+from qfuse.observers import OBSERVER_REGISTRY
+
+CONFIG_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """One scale for the whole tensor."""
+
+
+@dataclass(frozen=True)
+class PerChannel:
+    """One scale per slice along ``axis`` (axis 0 of a weight = one scale per output channel)."""
+
+    axis: int = 0
+
+
+@dataclass(frozen=True)
+class PerToken:
+    """One scale per row of the activation, computed at run time (dynamic quantization)."""
+
+
+Granularity = PerTensor | PerChannel | PerToken
+_GRANULARITIES = {cls.__name__: cls for cls in (PerTensor, PerChannel, PerToken)}
+
+SUPPORTED_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in SUPPORTED_DTYPES.items():
+        if d == dtype:
+            return name
+    raise UnsupportedError(
+        f"QConfig dtype {dtype} is not supported; use torch.int8 or torch.float8_e4m3fn."
+    )
+
+
+@dataclass(frozen=True)
+class QConfig:
+    """How weights and activations of the fused layers are quantized.
+
+    Example:
+        >>> import torch, qfuse
+        >>> cfg = qfuse.QConfig.int8_static()
+        >>> cfg.weight_granularity, cfg.activation_granularity
+        (PerChannel(axis=0), PerTensor())
+        >>> qfuse.QConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    dtype: torch.dtype = torch.int8
+    weight_granularity: Granularity = field(default_factory=PerChannel)
+    activation_granularity: Granularity = field(default_factory=PerTensor)
+    symmetric: bool = True
+    observer: str = "minmax"
+
+    def __post_init__(self) -> None:
+        _dtype_name(self.dtype)
+        if not isinstance(self.weight_granularity, (PerTensor, PerChannel)):
+            raise UnsupportedError(
+                f"weight_granularity {self.weight_granularity!r}: use PerChannel(0) or PerTensor()."
+            )
+        if isinstance(self.weight_granularity, PerChannel) and self.weight_granularity.axis != 0:
+            raise UnsupportedError(
+                "weight_granularity PerChannel(axis) supports axis=0 (output channels) only."
+            )
+        if not isinstance(self.activation_granularity, (PerTensor, PerToken)):
+            raise UnsupportedError(
+                f"activation_granularity {self.activation_granularity!r}: use PerTensor() "
+                "(static) or PerToken() (dynamic)."
+            )
+        if self.observer not in OBSERVER_REGISTRY:
+            raise UnsupportedError(
+                f"observer {self.observer!r} unknown; choose one of {sorted(OBSERVER_REGISTRY)}."
+            )
+        if self.dtype == torch.float8_e4m3fn and not self.symmetric:
+            raise UnsupportedError("fp8 quantization is symmetric only: set symmetric=True.")
+
+    @property
+    def is_dynamic(self) -> bool:
+        return isinstance(self.activation_granularity, PerToken)
+
+    # Presets ------------------------------------------------------------------------------------
+    @classmethod
+    def int8_static(cls) -> QConfig:
+        """Symmetric per-channel int8 weights, static per-tensor int8 activations, MinMax."""
+        return cls()
+
+    @classmethod
+    def int8_static_asymmetric(cls) -> QConfig:
+        """As ``int8_static`` but activations get a zero point (better after ReLU/GELU)."""
+        return cls(symmetric=False)
+
+    # Dict form ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        out: dict = {"version": CONFIG_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = _dtype_name(value)
+            elif isinstance(value, (PerTensor, PerChannel, PerToken)):
+                value = {"type": type(value).__name__, **value.__dict__}
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QConfig:
+        data = dict(data)
+        version = data.pop("version", CONFIG_VERSION)
+        if version > CONFIG_VERSION:
+            raise UnsupportedError(
+                f"QConfig version {version} is newer than this qfuse understands "
+                f"({CONFIG_VERSION}); upgrade qfuse."
+            )
+        kwargs = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value = data[f.name]
+            if f.name == "dtype":
+                if value not in SUPPORTED_DTYPES:
+                    raise UnsupportedError(f"QConfig dtype {value!r} is not supported.")
+                value = SUPPORTED_DTYPES[value]
+            elif isinstance(value, dict) and "type" in value:
+                args = {k: v for k, v in value.items() if k != "type"}
+                value = _GRANULARITIES[value["type"]](**args)
+            kwargs[f.name] = value
+        return cls(**kwargs)

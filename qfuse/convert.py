@@ -1,0 +1,150 @@
+"""``qfuse.convert``: turn a calibrated prepared model into fused quantized modules.
+
+Each chain becomes one call_module node (QLinear/QConv2d) at the chain's module path. A chain
+whose output is read only by other quantized chains hands them int8 (requantized in its epilogue
+with their input scale); every other output is float in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx
+
+from qfuse.errors import QFuseError
+from qfuse.fusion.graph_utils import erase_if_dead
+from qfuse.fusion.patterns import Chain
+from qfuse.nn import QConv2d, QLinear
+from qfuse.state import STATE_ATTR, LayerRecord, QFuseState
+
+
+def _state(model) -> QFuseState:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None or state.stage != "prepared":
+        raise QFuseError(
+            "qfuse.convert expects the model returned by qfuse.prepare (and calibrated); "
+            f"got {type(model).__name__}" + (" that is already converted." if state else ".")
+        )
+    return state
+
+
+def _consumers(chain: Chain, chains_by_input: dict[str, list[Chain]], nodes, observers) -> list:
+    """The chains reading this chain's output, if they are its only readers; else []."""
+    out = nodes[chain.output]
+    obs_name = observers.get(chain.output)
+    if obs_name is None or len(out.users) != 1:
+        return []
+    (obs_node,) = out.users
+    if obs_node.op != "call_module" or obs_node.target != obs_name:
+        return []
+    readers = chains_by_input[chain.output]
+    if {u.name for u in obs_node.users} != {r.anchor for r in readers}:
+        return []
+    return readers
+
+
+def _build(gm, chain: Chain, config, x_qparams, out_qparams, input_quantized, out_dtype):
+    weight = gm.get_parameter(chain.weight) if chain.weight in dict(gm.named_parameters()) else (
+        gm.get_buffer(chain.weight)
+    )
+    bias = None
+    if chain.bias is not None:
+        params = dict(gm.named_parameters())
+        bias = params[chain.bias] if chain.bias in params else gm.get_buffer(chain.bias)
+    common = dict(
+        x_scale=x_qparams[0],
+        x_zero_point=x_qparams[1],
+        per_channel=config.weight_granularity.__class__.__name__ == "PerChannel",
+        activation=chain.activation,
+        input_quantized=input_quantized,
+        out_scale=out_qparams[0] if out_qparams else None,
+        out_zero_point=out_qparams[1] if out_qparams else None,
+        out_dtype=out_dtype,
+    )
+    if chain.kind == "linear":
+        return QLinear.from_float(weight, bias, **common)
+    return QConv2d.from_float(weight, bias, **chain.conv, **common)
+
+
+def _module_path(gm: fx.GraphModule, chain: Chain, taken: set[str]) -> str:
+    """The fused module lives where the float module was (so state_dict names match the model)."""
+    path = chain.name
+    if path in taken or not path:
+        path = f"{chain.name.replace('.', '_')}_qfused"
+    taken.add(path)
+    return path
+
+
+def convert(prepared: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
+    """Replace every calibrated chain of ``prepared`` with its fused quantized module.
+
+    Raises ``CalibrationError`` (naming the layer) if a layer saw no calibration data or only
+    zeros. See ``qfuse.prepare`` for a full example.
+    """
+    state = _state(prepared)
+    gm = prepared if inplace else copy.deepcopy(prepared)
+    state = copy.copy(state) if not inplace else state
+    nodes = {n.name: n for n in gm.graph.nodes}
+    observers = state.observers
+    qparams = {src: gm.get_submodule(name).calculate_qparams() for src, name in observers.items()}
+
+    chains_by_input: dict[str, list[Chain]] = {}
+    for chain in state.chains:
+        chains_by_input.setdefault(chain.input, []).append(chain)
+    consumers = {c.name: _consumers(c, chains_by_input, nodes, observers) for c in state.chains}
+    producers = {r.name: c.name for c in state.chains for r in consumers[c.name]}
+
+    # Observers go first, so every anchor reads its real producer again.
+    for src, obs_name in observers.items():
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module" and node.target == obs_name:
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+        gm.delete_submodule(obs_name)
+
+    layers, taken = [], set()
+    for chain in state.chains:
+        out_node = nodes[chain.output]
+        readers = consumers[chain.name]
+        float_dtype = out_node.meta["val"].dtype
+        out_qparams = qparams[chain.output] if readers else None
+        out_dtype = torch.int8 if readers else float_dtype
+        module = _build(gm, chain, state.config, qparams[chain.input], out_qparams,
+                        chain.name in producers, out_dtype)
+        path = _module_path(gm, chain, taken)
+        anchor = nodes[chain.anchor]
+        kwargs = {"residual": nodes[chain.residual]} if chain.residual else {}
+        # nodes[] must track replacements: a residual may be an earlier chain's (fused) output.
+        with gm.graph.inserting_before(out_node):
+            fused = gm.graph.call_module(path, (anchor.args[0],), kwargs)
+        fused.meta["val"] = out_node.meta.get("val")
+        out_node.replace_all_uses_with(fused)
+        erase_if_dead(gm, [nodes[n] for n in reversed(chain.nodes)])
+        nodes[chain.output] = fused
+        gm.set_submodule(path, module) if _has_module(gm, path) else gm.add_submodule(path, module)
+        layers.append(LayerRecord(
+            name=path,
+            pattern=chain.pattern,
+            kind=chain.kind,
+            precision="int8",
+            input=f"int8 from {producers[chain.name]}" if chain.name in producers
+            else "float → int8 in prologue",
+            output=f"int8 to {', '.join(r.name for r in readers)}" if readers
+            else str(float_dtype).replace("torch.", ""),
+        ))
+    erase_if_dead(gm, [n for n in gm.graph.nodes if n.op == "get_attr"])
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    state.stage, state.layers, state.observers = "converted", layers, {}
+    setattr(gm, STATE_ATTR, state)
+    return gm
+
+
+def _has_module(gm: fx.GraphModule, path: str) -> bool:
+    try:
+        gm.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

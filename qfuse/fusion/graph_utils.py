@@ -1,0 +1,32 @@
+"""Small fx graph helpers shared by the graph passes."""
+
+from __future__ import annotations
+
+from torch import fx
+
+
+def erase_if_dead(gm: fx.GraphModule, nodes) -> None:
+    """Erase each node in ``nodes`` (in order) that has no users, and parameters/buffers whose
+    last reader was one of them, so a converted model does not keep its float weights alive."""
+    for node in nodes:
+        if node.users:
+            continue
+        inputs = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        if node.op == "get_attr":
+            drop_attr(gm, node.target)
+        gm.graph.erase_node(node)
+        for attr in inputs:
+            if not attr.users:
+                drop_attr(gm, attr.target)
+                gm.graph.erase_node(attr)
+
+
+def drop_attr(gm: fx.GraphModule, target: str) -> None:
+    owner, _, leaf = target.rpartition(".")
+    module = gm.get_submodule(owner) if owner else gm
+    if leaf in module._parameters:
+        del module._parameters[leaf]
+    elif leaf in module._buffers:
+        del module._buffers[leaf]
+    elif hasattr(module, leaf):
+        delattr(module, leaf)

@@ -1,0 +1,1 @@
+"""Triton kernels only. Nothing here imports torch.nn or qfuse modules above ``kernels``."""

@@ -1,0 +1,119 @@
+"""Pieces shared by every qfuse kernel: tile order, rounding, activations, requantization.
+
+Bit-exactness with the CPU reference (``qfuse/ops/reference.py``, same formulas in torch) is the
+design rule here. Only IEEE-exact float32 operations are used — add, subtract, multiply,
+``div_rn``, min/max, comparisons and bit casts — in a fixed order, and kernels are launched with
+``enable_fp_fusion=False`` so that no multiply-add is contracted into an FMA. ``tl.exp``,
+``tl.erf``, ``libdevice`` and plain ``/`` (``div.full.f32``) would each round differently from
+torch on the CPU, and a 1-ulp difference flips an int8 rounding now and then; libdevice also does
+not run in the interpreter.
+"""
+
+import triton
+import triton.language as tl
+
+# Adding and subtracting 1.5 * 2**23 rounds a float32 to an integer, ties to even, for |x| < 2**22.
+ROUND_MAGIC = 12582912.0
+
+# Activation codes passed to kernels as the ACT constexpr. "gelu" is the erf form
+# (torch.nn.GELU()), "gelu_tanh" the tanh form (torch.nn.GELU(approximate="tanh")).
+ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+
+
+@triton.jit
+def tile_indices(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row-tiles share each column sweep, so W tiles stay in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def round_half_even(x):
+    """Round to the nearest integer, ties to even; valid for |x| < 2**22 (callers clamp first)."""
+    return (x + ROUND_MAGIC) - ROUND_MAGIC
+
+
+@triton.jit
+def quantize_int8(x, inv_scale, zero_point):
+    """float32 -> int8: clamp(round(x * inv_scale) + zero_point, -128, 127)."""
+    v = x * inv_scale
+    v = tl.minimum(tl.maximum(v, -256.0), 256.0)
+    v = round_half_even(v) + zero_point
+    v = tl.minimum(tl.maximum(v, -128.0), 127.0)
+    return v.to(tl.int8)
+
+
+@triton.jit
+def exp_f32(x):
+    """exp(x) from IEEE ops: x = n*ln2 + r, |r| <= ln2/2, degree-7 Taylor of e^r, times 2**n.
+
+    Relative error under 2e-7 on [-87, 88]; inputs are clamped to that range (enough for every
+    activation here: their results saturate far earlier).
+    """
+    x = tl.minimum(tl.maximum(x, -87.0), 88.0)
+    n = round_half_even(x * 1.4426950408889634)
+    # Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4; the first product is exact for |n| < 2**15.
+    r = x - n * 0.693359375
+    r = r + n * 2.12194440e-4
+    p = 1.9841269841269841e-4
+    p = p * r + 1.3888888888888889e-3
+    p = p * r + 8.3333333333333333e-3
+    p = p * r + 4.1666666666666667e-2
+    p = p * r + 1.6666666666666667e-1
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return p * two_n
+
+
+@triton.jit
+def gelu_erf(x):
+    """0.5 * x * (1 + erf(x / sqrt 2)), erfc by Abramowitz & Stegun 7.1.26 (abs. error 1.5e-7).
+
+    The erfc form keeps relative accuracy in the negative tail, where 1 + erf cancels.
+    """
+    z = x * 0.7071067811865476
+    az = tl.abs(z)
+    t = tl.math.div_rn(az * 0.0 + 1.0, 1.0 + 0.3275911 * az)
+    poly = 1.061405429
+    poly = poly * t + -1.453152027
+    poly = poly * t + 1.421413741
+    poly = poly * t + -0.284496736
+    poly = poly * t + 0.254829592
+    erfc = poly * t * exp_f32(-(az * az))
+    one_plus_erf = tl.where(z < 0.0, erfc, 2.0 - erfc)
+    return 0.5 * x * one_plus_erf
+
+
+@triton.jit
+def gelu_tanh(x):
+    """0.5 * x * (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3)."""
+    u = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+    return tl.math.div_rn(x, 1.0 + exp_f32(-2.0 * u))
+
+
+@triton.jit
+def silu(x):
+    """x * sigmoid(x)."""
+    return tl.math.div_rn(x, 1.0 + exp_f32(-x))
+
+
+@triton.jit
+def activation(x, ACT: tl.constexpr):
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = gelu_erf(x)
+    elif ACT == 3:
+        x = gelu_tanh(x)
+    elif ACT == 4:
+        x = silu(x)
+    return x

@@ -1,0 +1,46 @@
+"""What every quantized runtime module shares: buffer layout rules and the qparam helpers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import qfuse.ops  # noqa: F401  (registers the qfuse:: custom ops the modules call)
+from qfuse.primitives import inverse
+
+
+class QuantizedModule(nn.Module):
+    """Base of QLinear/QConv2d. All quantized state is in registered buffers (so ``.to("cuda")``
+    moves it and ``state_dict`` saves it); layout flags are plain attributes set at build time."""
+
+    def _apply(self, fn, recurse=True):
+        # model.half()/.to(bfloat16) must not touch scales: the kernels read float32 scales and
+        # the integer semantics depend on them. Cast them back after any dtype conversion.
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
+
+    def _set_qparams(self, prefix: str, scale, zero_point) -> None:
+        """Buffers ``{prefix}_scale``, ``{prefix}_inv_scale``, ``{prefix}_zero_point`` (or None)."""
+        if scale is None:
+            for suffix in ("scale", "inv_scale", "zero_point"):
+                self.register_buffer(f"{prefix}_{suffix}", None)
+            return
+        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(())
+        self.register_buffer(f"{prefix}_scale", scale)
+        self.register_buffer(f"{prefix}_inv_scale", inverse(scale))
+        zp = None
+        if zero_point is not None and int(zero_point) != 0:
+            zp = torch.as_tensor(zero_point, dtype=torch.int32).reshape(())
+        self.register_buffer(f"{prefix}_zero_point", zp)
+
+    @property
+    def input_quantized(self) -> bool:
+        """True when the layer expects int8 input handed over by the previous fused layer."""
+        return self._input_quantized
+
+    @property
+    def output_quantized(self) -> bool:
+        return self.out_dtype == torch.int8

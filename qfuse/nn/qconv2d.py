@@ -1,0 +1,74 @@
+"""QConv2d: a fused int8 Conv2d (+folded BN bias, activation, residual, requant) as a module."""
+
+from __future__ import annotations
+
+import torch
+
+from qfuse.nn.base import QuantizedModule
+from qfuse.primitives import quantize_weight
+
+
+class QConv2d(QuantizedModule):
+    """int8 Conv2d through ``qfuse::qconv2d`` (reference kernel on every device for now)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, groups: int = 1) -> None:
+        super().__init__()
+        kh, kw = kernel_size
+        self.stride, self.padding, self.dilation, self.groups = [1, 1], [0, 0], [1, 1], groups
+        self.activation = "none"
+        self.out_dtype = torch.float32
+        self._input_quantized = False
+        shape = (out_channels, in_channels // groups, kh, kw)
+        self.register_buffer("weight", torch.zeros(shape, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_channels))
+        self.register_buffer("scale", torch.ones(out_channels))
+        self.register_buffer("bias", None)
+        self._set_qparams("x", 1.0, None)
+        self._set_qparams("out", None, None)
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        stride,
+        padding,
+        dilation,
+        groups: int,
+        x_scale: torch.Tensor,
+        x_zero_point: torch.Tensor | None,
+        per_channel: bool = True,
+        activation: str = "none",
+        input_quantized: bool = False,
+        out_scale: torch.Tensor | None = None,
+        out_zero_point: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> QConv2d:
+        out_c, in_c_per_group, kh, kw = weight.shape
+        mod = cls(in_c_per_group * groups, out_c, (kh, kw), groups)
+        mod.stride, mod.padding, mod.dilation = list(stride), list(padding), list(dilation)
+        q, w_scale = quantize_weight(weight, per_channel)
+        mod.weight, mod.weight_scale = q, w_scale
+        mod._set_qparams("x", x_scale, x_zero_point)
+        mod.scale = (mod.x_scale * w_scale).to(torch.float32)
+        mod.bias = bias.detach().float().clone() if bias is not None else None
+        mod.activation = activation
+        mod._input_quantized = input_quantized
+        mod.out_dtype = out_dtype
+        if out_dtype == torch.int8:
+            mod._set_qparams("out", out_scale, out_zero_point)
+        return mod.to(weight.device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.qfuse.qconv2d(
+            x, self.weight, self.scale, self.bias, self.x_inv_scale, self.x_zero_point, residual,
+            self.out_inv_scale, self.out_zero_point, self.activation, self.out_dtype, self.stride,
+            self.padding, self.dilation, self.groups,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"weight={tuple(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "
+            f"act={self.activation}, output={self.out_dtype}"
+        )

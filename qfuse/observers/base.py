@@ -1,0 +1,91 @@
+"""The observer contract: watch a tensor during calibration, then name its quantization params.
+
+An observer is an identity ``nn.Module``: ``forward(x)`` records statistics of ``x`` (after
+checking it is finite) and returns ``x`` unchanged. All state lives in registered buffers, so a
+prepared model can be moved, saved and reloaded mid-calibration. ``calculate_qparams`` turns
+the statistics into ``(scale float32, zero_point int32)`` with the conventions of
+``qfuse.primitives.choose_qparams``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qfuse.errors import CalibrationError
+from qfuse.primitives import INT8_MAX, INT8_MIN, choose_qparams
+
+
+class Observer(nn.Module):
+    """Base class. Subclasses implement ``observe(x)`` and ``value_range()``.
+
+    Args:
+        symmetric: symmetric (zero point 0) or affine qparams.
+        qmin, qmax: the integer range the qparams target.
+        channel_axis: ``None`` for one range per tensor, else the axis that gets its own range.
+        layer_name: the layer (or value) this observer watches; every error message names it.
+    """
+
+    def __init__(
+        self,
+        *,
+        symmetric: bool = True,
+        qmin: int = INT8_MIN,
+        qmax: int = INT8_MAX,
+        channel_axis: int | None = None,
+        layer_name: str = "<unnamed>",
+    ) -> None:
+        super().__init__()
+        self.symmetric = symmetric
+        self.qmin, self.qmax = qmin, qmax
+        self.channel_axis = channel_axis
+        self.layer_name = layer_name
+        self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            return x
+        xd = x.detach()
+        if not bool(torch.isfinite(xd).all()):
+            bad = "NaN" if bool(torch.isnan(xd).any()) else "Inf"
+            raise CalibrationError(
+                f"{self.layer_name}: calibration batch {int(self.num_batches) + 1} contains {bad}. "
+                "Clean the calibration data (or find the op that overflows upstream) and run the "
+                "calibration again; a non-finite range would give a meaningless scale."
+            )
+        self.observe(xd.float())
+        self.num_batches += 1
+        return x
+
+    def observe(self, x: torch.Tensor) -> None:
+        raise NotImplementedError  # abstract: every concrete observer overrides it
+
+    def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max) the qparams must cover: scalars, or one entry per channel."""
+        raise NotImplementedError  # abstract: every concrete observer overrides it
+
+    def _per_channel_view(self, x: torch.Tensor) -> torch.Tensor:
+        """x as [channels, everything else]."""
+        return x.movedim(self.channel_axis, 0).reshape(x.shape[self.channel_axis], -1)
+
+    def check_calibrated(self) -> None:
+        if int(self.num_batches) == 0:
+            raise CalibrationError(
+                f"{self.layer_name}: no calibration data reached this layer. Run calibration "
+                "batches through the prepared model (prepared(batch)) before qfuse.convert, and "
+                "check that the batches take the code path that uses this layer."
+            )
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_calibrated()
+        lo, hi = self.value_range()
+        if bool(((hi - lo) == 0).all()) and bool((hi == 0).all()):
+            raise CalibrationError(
+                f"{self.layer_name}: every calibration value was exactly 0, so no scale fits. "
+                "Calibrate with representative (non-zero) inputs, or keep this layer in float "
+                "by excluding it from quantization."
+            )
+        return choose_qparams(lo, hi, symmetric=self.symmetric, qmin=self.qmin, qmax=self.qmax)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_name}, symmetric={self.symmetric}, axis={self.channel_axis}"

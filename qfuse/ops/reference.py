@@ -1,0 +1,171 @@
+"""Pure-PyTorch implementation of every fused op: the CPU path and the test oracle.
+
+Each function mirrors its Triton twin in ``qfuse/kernels`` operation by operation (see
+``qfuse/kernels/common.py`` for why the math avoids ``torch.exp``/``torch.erf``): int32
+accumulation, then the float32 epilogue in the same order with the same rounding, so an int8 output
+is identical on CPU and GPU and a float output agrees to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROUND_MAGIC = 12582912.0
+
+
+def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, zero_point) -> torch.Tensor:
+    """float32 -> int8: clamp(round(x * inv_scale) + zero_point, -128, 127)."""
+    v = torch.clamp(x * inv_scale, -256.0, 256.0)
+    v = torch.round(v) + zero_point
+    return torch.clamp(v, -128.0, 127.0).to(torch.int8)
+
+
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.common.exp_f32``."""
+    x = torch.clamp(x, -87.0, 88.0)
+    n = torch.round(x * 1.4426950408889634)
+    r = x - n * 0.693359375
+    r = r + n * 2.12194440e-4
+    p = torch.full_like(r, 1.9841269841269841e-4)
+    for c in (
+        1.3888888888888889e-3,
+        8.3333333333333333e-3,
+        4.1666666666666667e-2,
+        1.6666666666666667e-1,
+        0.5,
+        1.0,
+        1.0,
+    ):
+        p = p * r + c
+    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return p * two_n
+
+
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.common.gelu_erf``."""
+    z = x * 0.7071067811865476
+    az = torch.abs(z)
+    t = (az * 0.0 + 1.0) / (1.0 + 0.3275911 * az)
+    poly = torch.full_like(t, 1.061405429)
+    for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+        poly = poly * t + c
+    erfc = poly * t * exp_f32(-(az * az))
+    one_plus_erf = torch.where(z < 0.0, erfc, 2.0 - erfc)
+    return 0.5 * x * one_plus_erf
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.common.gelu_tanh``."""
+    u = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+    return x / (1.0 + exp_f32(-2.0 * u))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.common.silu``."""
+    return x / (1.0 + exp_f32(-x))
+
+
+ACTIVATIONS = {
+    "none": lambda x: x,
+    "relu": lambda x: torch.clamp_min(x, 0.0),
+    "gelu": gelu_erf,
+    "gelu_tanh": gelu_tanh,
+    "silu": silu,
+}
+
+
+def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] @ int8 [N, K]^T -> int32, exactly.
+
+    float64 holds every partial sum exactly (|sum| <= 127 * 128 * K < 2**53), whatever the
+    summation order, so this equals the GPU's int32 accumulation.
+    """
+    return torch.matmul(a.double(), b.double().t()).to(torch.int32)
+
+
+def epilogue(
+    acc: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: str,
+    residual: torch.Tensor | None,
+    out_inv_scale: torch.Tensor | None,
+    out_zero_point: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    channel_dim: int = -1,
+) -> torch.Tensor:
+    """int32 accumulator -> scales, bias, activation, residual, then int8 requant or float."""
+    shape = [1] * acc.dim()
+    shape[channel_dim] = -1
+    y = acc.to(torch.float32) * scale.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    y = ACTIVATIONS[act](y)
+    if residual is not None:
+        y = y + residual.to(torch.float32)
+    if out_dtype == torch.int8:
+        zp = out_zero_point.to(torch.float32) if out_zero_point is not None else 0.0
+        return quantize_int8(y, out_inv_scale, zp)
+    return y.to(out_dtype)
+
+
+def _quantize_input(x, x_inv_scale, x_zero_point):
+    if x.dtype == torch.int8:
+        return x
+    zp = x_zero_point.to(torch.float32) if x_zero_point is not None else 0.0
+    return quantize_int8(x.to(torch.float32), x_inv_scale, zp)
+
+
+def qlinear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_inv_scale: torch.Tensor | None,
+    x_zero_point: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out_inv_scale: torch.Tensor | None,
+    out_zero_point: torch.Tensor | None,
+    act: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reference of ``kernels.qgemm.qlinear`` on 2-D x [M, K]."""
+    acc = int_matmul(_quantize_input(x, x_inv_scale, x_zero_point), weight)
+    if x_zero_point is not None:
+        acc = acc - x_zero_point.to(torch.int32) * weight_sum[None, :]
+    return epilogue(
+        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=-1
+    )
+
+
+def qconv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_inv_scale: torch.Tensor | None,
+    x_zero_point: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out_inv_scale: torch.Tensor | None,
+    out_zero_point: torch.Tensor | None,
+    act: str,
+    out_dtype: torch.dtype,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
+    """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue.
+
+    The zero point is subtracted before the convolution (exact in float64), which is what a
+    zero-padded input of real value 0 needs: padding contributes 0, not -zp * w.
+    """
+    q = _quantize_input(x, x_inv_scale, x_zero_point).double()
+    if x_zero_point is not None:
+        q = q - x_zero_point.double()
+    acc = F.conv2d(q, weight.double(), None, stride, padding, dilation, groups).to(torch.int32)
+    return epilogue(
+        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=1
+    )

@@ -1,0 +1,131 @@
+"""Quantization numerics in plain torch: the one source of qparam and rounding semantics.
+
+Conventions (tested at the edges in tests/test_primitives.py):
+- int8 activations use the full range [-128, 127]; int8 weights use [-127, 127] (symmetric, so
+  that negating a weight never overflows and the weight zero point is exactly 0).
+- Rounding is round-half-to-even (``torch.round``), the rounding mode of the Triton kernels too.
+- Quantize multiplies by the float32 reciprocal of the scale (``x * (1/s)``), never divides: the
+  GPU kernels do the same multiply, so CPU and GPU agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MIN, INT8_MAX = -128, 127
+WEIGHT_INT8_MIN, WEIGHT_INT8_MAX = -127, 127
+FP8_E4M3_MAX = 448.0
+SCALE_EPS = torch.finfo(torch.float32).eps  # torch.ao clamps scales at float32 eps; so do we
+
+
+def choose_qparams(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    *,
+    symmetric: bool,
+    qmin: int = INT8_MIN,
+    qmax: int = INT8_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float32) and zero point (int32) covering [min_val, max_val] (elementwise).
+
+    Symmetric: ``scale = max(|min|, |max|) / ((qmax - qmin) / 2)``, zero point 0 — for
+    activations in [-128, 127] that is ``amax / 127.5`` (torch.ao's definition), for weights in
+    [-127, 127] ``amax / 127``. Affine: ``scale = (max - min) / (qmax - qmin)`` over a range that
+    always includes 0, ``zero_point = qmin - round(min / scale)``.
+
+    Example:
+        >>> import torch
+        >>> s, z = choose_qparams(torch.tensor(-1.0), torch.tensor(2.55), symmetric=True)
+        >>> round(s.item(), 6), z.item()
+        (0.02, 0)
+    """
+    min_val = torch.clamp(min_val.float(), max=0.0)
+    max_val = torch.clamp(max_val.float(), min=0.0)
+    if symmetric:
+        amax = torch.maximum(-min_val, max_val)
+        scale = amax / ((qmax - qmin) / 2)
+        scale = torch.clamp(scale, min=SCALE_EPS)
+        zero_point = torch.zeros_like(scale, dtype=torch.int32)
+    else:
+        scale = (max_val - min_val) / float(qmax - qmin)
+        scale = torch.clamp(scale, min=SCALE_EPS)
+        zero_point = qmin - torch.round(min_val / scale).to(torch.int32)
+        zero_point = torch.clamp(zero_point, qmin, qmax).to(torch.int32)
+    return scale.to(torch.float32), zero_point
+
+
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """The float32 reciprocal every quantize multiplies by."""
+    return torch.reciprocal(scale.to(torch.float32))
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | int = 0,
+    *,
+    qmin: int = INT8_MIN,
+    qmax: int = INT8_MAX,
+    axis: int | None = None,
+) -> torch.Tensor:
+    """int8 ``clamp(round(x * (1/scale)) + zero_point, qmin, qmax)``; per-slice along ``axis``."""
+    inv = inverse(scale)
+    zp = torch.as_tensor(zero_point, dtype=torch.int32, device=x.device)
+    if axis is not None:
+        shape = [1] * x.dim()
+        shape[axis] = -1
+        inv = inv.reshape(shape)
+        if zp.dim() > 0:
+            zp = zp.reshape(shape)
+    q = torch.round(x.float() * inv) + zp.float()
+    return torch.clamp(q, qmin, qmax).to(torch.int8)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | int = 0,
+    *,
+    axis: int | None = None,
+) -> torch.Tensor:
+    """float32 ``(q - zero_point) * scale``."""
+    scale = scale.to(torch.float32)
+    zp = torch.as_tensor(zero_point, dtype=torch.float32, device=q.device)
+    if axis is not None:
+        shape = [1] * q.dim()
+        shape[axis] = -1
+        scale = scale.reshape(shape)
+        if zp.dim() > 0:
+            zp = zp.reshape(shape)
+    return (q.float() - zp) * scale
+
+
+def quantize_weight(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weight in [-127, 127] with a float32 scale per output channel (or one).
+
+    Returns ``(q, scale)`` where ``scale`` always has one entry per output channel, so the
+    kernels never special-case per-tensor weights.
+    """
+    w = weight.detach().float()
+    flat = w.reshape(w.shape[0], -1)
+    if per_channel:
+        lo, hi = flat.amin(dim=1), flat.amax(dim=1)
+    else:
+        lo, hi = flat.amin().expand(w.shape[0]), flat.amax().expand(w.shape[0])
+    scale, _ = choose_qparams(lo, hi, symmetric=True, qmin=WEIGHT_INT8_MIN, qmax=WEIGHT_INT8_MAX)
+    q = quantize(w, scale, 0, qmin=WEIGHT_INT8_MIN, qmax=WEIGHT_INT8_MAX, axis=0)
+    return q, scale
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | int = 0,
+    *,
+    qmin: int = INT8_MIN,
+    qmax: int = INT8_MAX,
+    axis: int | None = None,
+) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in x's dtype: the value a quantized layer actually sees."""
+    q = quantize(x, scale, zero_point, qmin=qmin, qmax=qmax, axis=axis)
+    return dequantize(q, scale, zero_point, axis=axis).to(x.dtype)

@@ -1,0 +1,34 @@
+"""What prepare and convert record on the graph module they return (read by summary and save)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qfuse.config import QConfig
+from qfuse.fusion.patterns import Chain, Skipped
+
+STATE_ATTR = "_qfuse_state"
+
+
+@dataclass
+class LayerRecord:
+    """One fused layer of a converted model."""
+
+    name: str
+    pattern: str
+    kind: str
+    precision: str  # "int8"
+    input: str  # "float (quantized in prologue)" | "int8 from <layer>"
+    output: str  # "float32" | "int8 to <layer>, ..."
+    note: str = ""
+
+
+@dataclass
+class QFuseState:
+    config: QConfig
+    stage: str  # "prepared" | "converted"
+    chains: list[Chain]
+    skipped: list[Skipped]
+    observers: dict[str, str] = field(default_factory=dict)  # chain input node -> observer module
+    layers: list[LayerRecord] = field(default_factory=list)
+    folded_batchnorms: list[str] = field(default_factory=list)
