@@ -8,13 +8,14 @@ with their input scale); every other output is float in the model's dtype.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import fx
 
 from qfuse.errors import QFuseError
-from qfuse.fusion.graph_utils import erase_if_dead
 from qfuse.fusion.patterns import Chain
+from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
 from qfuse.state import STATE_ATTR, LayerRecord, QFuseState
 
@@ -67,15 +68,6 @@ def _build(gm, chain: Chain, config, x_qparams, out_qparams, input_quantized, ou
     return QConv2d.from_float(weight, bias, **chain.conv, **common)
 
 
-def _module_path(gm: fx.GraphModule, chain: Chain, taken: set[str]) -> str:
-    """The fused module lives where the float module was (so state_dict names match the model)."""
-    path = chain.name
-    if path in taken or not path:
-        path = f"{chain.name.replace('.', '_')}_qfused"
-    taken.add(path)
-    return path
-
-
 def convert(prepared: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -83,7 +75,9 @@ def convert(prepared: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
     zeros. See ``qfuse.prepare`` for a full example.
     """
     state = _state(prepared)
-    gm = prepared if inplace else copy.deepcopy(prepared)
+    with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
+        warnings.simplefilter("ignore", FutureWarning)
+        gm = prepared if inplace else copy.deepcopy(prepared)
     state = copy.copy(state) if not inplace else state
     nodes = {n.name: n for n in gm.graph.nodes}
     observers = state.observers
@@ -96,35 +90,17 @@ def convert(prepared: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
     producers = {r.name: c.name for c in state.chains for r in consumers[c.name]}
 
     # Observers go first, so every anchor reads its real producer again.
-    for src, obs_name in observers.items():
-        for node in list(gm.graph.nodes):
-            if node.op == "call_module" and node.target == obs_name:
-                node.replace_all_uses_with(node.args[0])
-                gm.graph.erase_node(node)
-        gm.delete_submodule(obs_name)
-
-    layers, taken = [], set()
+    remove_observers(gm, observers.values())
+    modules, layers, paths = {}, [], module_paths(state.chains)
     for chain in state.chains:
-        out_node = nodes[chain.output]
         readers = consumers[chain.name]
-        float_dtype = out_node.meta["val"].dtype
+        float_dtype = nodes[chain.output].meta["val"].dtype
         out_qparams = qparams[chain.output] if readers else None
         out_dtype = torch.int8 if readers else float_dtype
-        module = _build(gm, chain, state.config, qparams[chain.input], out_qparams,
-                        chain.name in producers, out_dtype)
-        path = _module_path(gm, chain, taken)
-        anchor = nodes[chain.anchor]
-        kwargs = {"residual": nodes[chain.residual]} if chain.residual else {}
-        # nodes[] must track replacements: a residual may be an earlier chain's (fused) output.
-        with gm.graph.inserting_before(out_node):
-            fused = gm.graph.call_module(path, (anchor.args[0],), kwargs)
-        fused.meta["val"] = out_node.meta.get("val")
-        out_node.replace_all_uses_with(fused)
-        erase_if_dead(gm, [nodes[n] for n in reversed(chain.nodes)])
-        nodes[chain.output] = fused
-        gm.set_submodule(path, module) if _has_module(gm, path) else gm.add_submodule(path, module)
+        modules[chain.name] = _build(gm, chain, state.config, qparams[chain.input], out_qparams,
+                                     chain.name in producers, out_dtype)
         layers.append(LayerRecord(
-            name=path,
+            name=paths[chain.name],
             pattern=chain.pattern,
             kind=chain.kind,
             precision="int8",
@@ -133,18 +109,8 @@ def convert(prepared: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
             output=f"int8 to {', '.join(r.name for r in readers)}" if readers
             else str(float_dtype).replace("torch.", ""),
         ))
-    erase_if_dead(gm, [n for n in gm.graph.nodes if n.op == "get_attr"])
-    gm.graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
+    fuse_chains(gm, state.chains, modules)
     state.stage, state.layers, state.observers = "converted", layers, {}
     setattr(gm, STATE_ATTR, state)
     return gm
 
-
-def _has_module(gm: fx.GraphModule, path: str) -> bool:
-    try:
-        gm.get_submodule(path)
-        return True
-    except AttributeError:
-        return False

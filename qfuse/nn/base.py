@@ -36,6 +36,36 @@ class QuantizedModule(nn.Module):
             zp = torch.as_tensor(zero_point, dtype=torch.int32).reshape(())
         self.register_buffer(f"{prefix}_zero_point", zp)
 
+    # Plain (non-tensor) attributes that, with the buffers, fully describe a built module.
+    LAYOUT_FIELDS: tuple[str, ...] = ("activation", "out_dtype", "_input_quantized")
+
+    def layout(self) -> dict:
+        """JSON-able description of the non-tensor state (dtypes as their names)."""
+        out = {}
+        for name in self.LAYOUT_FIELDS:
+            value = getattr(self, name)
+            out[name] = str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value
+        out["buffers"] = sorted(k for k, v in self._buffers.items() if v is not None)
+        return out
+
+    @classmethod
+    def from_layout(cls, layout: dict, tensors: dict[str, torch.Tensor]) -> "QuantizedModule":
+        """Rebuild a module from ``layout()`` and its buffers (e.g. read back from a file)."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        for name in cls.LAYOUT_FIELDS:
+            value = layout[name]
+            if name == "out_dtype":
+                value = getattr(torch, value)
+            setattr(mod, name, value)
+        for name in cls.BUFFER_NAMES:
+            mod.register_buffer(name, tensors.get(name))
+        mod._post_load()
+        return mod
+
+    def _post_load(self) -> None:
+        """Derive shape attributes from the buffers after ``from_layout``."""
+
     @property
     def input_quantized(self) -> bool:
         """True when the layer expects int8 input handed over by the previous fused layer."""

@@ -11,6 +11,10 @@ from qfuse.primitives import quantize_weight
 class QConv2d(QuantizedModule):
     """int8 Conv2d through ``qfuse::qconv2d`` (reference kernel on every device for now)."""
 
+    BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", "x_scale", "x_inv_scale",
+                    "x_zero_point", "out_scale", "out_inv_scale", "out_zero_point")
+    LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + ("stride", "padding", "dilation", "groups")
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size, groups: int = 1) -> None:
         super().__init__()
         kh, kw = kernel_size

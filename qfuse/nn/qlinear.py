@@ -14,6 +14,9 @@ class QLinear(QuantizedModule):
     Build with ``QLinear.from_float``; the forward is one call into the custom op.
     """
 
+    BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", "weight_sum", "x_scale",
+                    "x_inv_scale", "x_zero_point", "out_scale", "out_inv_scale", "out_zero_point")
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -62,6 +65,9 @@ class QLinear(QuantizedModule):
         if out_dtype == torch.int8:
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
+
+    def _post_load(self) -> None:
+        self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.qfuse.qlinear(

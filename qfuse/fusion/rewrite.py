@@ -1,0 +1,71 @@
+"""Replace each chain's nodes with one call to its fused module (shared by convert and load)."""
+
+from __future__ import annotations
+
+from torch import fx, nn
+
+from qfuse.fusion.graph_utils import erase_if_dead
+from qfuse.fusion.patterns import Chain
+
+
+def _has_module(gm: fx.GraphModule, path: str) -> bool:
+    try:
+        gm.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def module_paths(chains: list[Chain]) -> dict[str, str]:
+    """Where each chain's fused module lives: the float module's path, so state_dict names match
+    the float model (a chain without a unique module path gets ``<name>_qfused``)."""
+    paths, taken = {}, set()
+    for chain in chains:
+        path = chain.name
+        if path in taken or not path:
+            path = f"{chain.name.replace('.', '_')}_qfused"
+        taken.add(path)
+        paths[chain.name] = path
+    return paths
+
+
+def remove_observers(gm: fx.GraphModule, observer_names) -> None:
+    """Drop observer call_module nodes (each reader gets the observed value back) and modules."""
+    names = set(observer_names)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target in names:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    for name in names:
+        gm.delete_submodule(name)
+
+
+def fuse_chains(gm: fx.GraphModule, chains: list[Chain], modules: dict[str, nn.Module]) -> None:
+    """For every chain with a module in ``modules`` (by chain name), put the module at its path,
+    call it in place of the chain, and delete the chain's nodes and now-unused float weights.
+    Chains missing from ``modules`` stay float."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    paths = module_paths(chains)
+    for chain in chains:
+        module = modules.get(chain.name)
+        if module is None:
+            continue
+        out_node = nodes[chain.output]
+        anchor = nodes[chain.anchor]
+        kwargs = {"residual": nodes[chain.residual]} if chain.residual else {}
+        with gm.graph.inserting_before(out_node):
+            fused = gm.graph.call_module(paths[chain.name], (anchor.args[0],), kwargs)
+        fused.meta["val"] = out_node.meta.get("val")
+        out_node.replace_all_uses_with(fused)
+        erase_if_dead(gm, [nodes[n] for n in reversed(chain.nodes)])
+        # A later chain may name this output as its residual: point the name at the fused node.
+        nodes[chain.output] = fused
+        path = paths[chain.name]
+        if _has_module(gm, path):
+            gm.set_submodule(path, module)
+        else:
+            gm.add_submodule(path, module)
+    erase_if_dead(gm, [n for n in gm.graph.nodes if n.op == "get_attr"])
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
