@@ -1,14 +1,8 @@
-"""Test setup: Triton runs in its interpreter on CPU tensors (must be set before qfuse imports
-triton), torchao's CUDA extension warnings are silenced, and GPU tests skip without CUDA."""
+"""Test fixtures; the environment (Triton interpreter on) is set in the root conftest.py.
+GPU-marked tests skip without CUDA."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def pytest_collection_modifyitems(config, items):

@@ -75,13 +75,16 @@ ACTIVATIONS = {
 }
 
 
-def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] @ int8 [N, K]^T -> int32, exactly.
+def _exact_float_dtype(reduction: int, max_a: int, max_b: int) -> torch.dtype:
+    """float32 holds every partial sum of integers exactly while |sum| < 2**24 (any summation
+    order, so any BLAS); beyond that float64 (exact below 2**53)."""
+    return torch.float32 if reduction * max_a * max_b < 2**24 else torch.float64
 
-    float64 holds every partial sum exactly (|sum| <= 127 * 128 * K < 2**53), whatever the
-    summation order, so this equals the GPU's int32 accumulation.
-    """
-    return torch.matmul(a.double(), b.double().t()).to(torch.int32)
+
+def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] @ int8 [N, K]^T -> int32, exactly (equal to the GPU's int32 accumulation)."""
+    dtype = _exact_float_dtype(a.shape[-1], 128, 128)
+    return torch.matmul(a.to(dtype), b.to(dtype).t()).to(torch.int32)
 
 
 def epilogue(
@@ -159,13 +162,15 @@ def qconv2d(
 ) -> torch.Tensor:
     """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue.
 
-    The zero point is subtracted before the convolution (exact in float64), which is what a
+    The zero point is subtracted before the convolution (exact in float), which is what a
     zero-padded input of real value 0 needs: padding contributes 0, not -zp * w.
     """
-    q = _quantize_input(x, x_inv_scale, x_zero_point).double()
+    reduction = weight.shape[1] * weight.shape[2] * weight.shape[3]
+    dtype = _exact_float_dtype(reduction, 256, 128)  # q - zp spans up to 255
+    q = _quantize_input(x, x_inv_scale, x_zero_point).to(dtype)
     if x_zero_point is not None:
-        q = q - x_zero_point.double()
-    acc = F.conv2d(q, weight.double(), None, stride, padding, dilation, groups).to(torch.int32)
+        q = q - x_zero_point.to(dtype)
+    acc = F.conv2d(q, weight.to(dtype), None, stride, padding, dilation, groups).to(torch.int32)
     return epilogue(
         acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=1
     )

@@ -1,0 +1,1 @@
+"""Calibration and evaluation data the recipes use (see calibration/README.md for provenance)."""

@@ -1,0 +1,151 @@
+"""Static INT8 PTQ of a small CNN+MLP on scikit-learn's digits: the qfuse main job.
+
+    python -m recipes.ptq_digits            # trains (or loads the cached checkpoint), quantizes,
+                                            # prints fp32 vs int8 accuracy, latency and fusion
+
+Runs on CPU in well under 2 minutes on 2 cores (the torch reference kernels) and on CUDA when
+present (the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import qfuse
+from calibration.digits import batches, load_digits_splits
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+
+
+class DigitsNet(nn.Module):
+    """Conv-BN-ReLU x2 -> max-pool -> Linear-ReLU -> Linear: 8x8 grey image -> 10 logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(64)
+        self.pool = nn.MaxPool2d(2)
+        self.fc1 = nn.Linear(64 * 4 * 4, 128)
+        self.dropout = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        x = torch.relu(self.fc1(x.flatten(1)))
+        return self.fc2(self.dropout(x))
+
+
+def train(splits, epochs: int, seed: int) -> DigitsNet:
+    torch.manual_seed(seed)
+    model = DigitsNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=epochs * 18)
+    x, y = splits.train
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for idx in perm.split(64)[:18]:
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model.eval()
+
+
+def load_or_train(splits, epochs: int, seed: int, use_cache: bool) -> DigitsNet:
+    path = CACHE / f"digits_net_seed{seed}_e{epochs}.pt"
+    if use_cache and path.exists():
+        model = DigitsNet()
+        model.load_state_dict(torch.load(path, weights_only=True))
+        return model.eval()
+    model = train(splits, epochs, seed)
+    if use_cache:
+        CACHE.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(path)
+    return model
+
+
+@torch.no_grad()
+def accuracy(model, x, y, device, batch_size: int = 256) -> float:
+    correct = 0
+    for xb, yb in zip(batches(x, batch_size), batches(y, batch_size)):
+        correct += (model(xb.to(device)).argmax(-1).cpu() == yb).sum().item()
+    return 100.0 * correct / len(y)
+
+
+@torch.no_grad()
+def latency_ms(model, x, device, repeats: int = 20) -> float:
+    """Median wall time of one forward over batch ``x`` (synchronised on CUDA)."""
+    x = x.to(device)
+    for _ in range(3):
+        model(x)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run(epochs: int = 40, seed: int = 0, use_cache: bool = True, device: str | None = None) -> dict:
+    """Train/load, quantize, evaluate. Returns the numbers the table prints."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    splits = load_digits_splits(seed=seed)
+    model = load_or_train(splits, epochs, seed, use_cache)
+
+    calib_x, _ = splits.calibration
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(calib_x[:8],))
+    with torch.no_grad():
+        for xb in batches(calib_x, 64):
+            prepared(xb)
+    qmodel = qfuse.convert(prepared).to(dev)
+    model = model.to(dev)
+
+    test_x, test_y = splits.test
+    batch = test_x[:256]
+    return {
+        "device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        "fp32_top1": accuracy(model, test_x, test_y, dev),
+        "int8_top1": accuracy(qmodel, test_x, test_y, dev),
+        "fp32_ms": latency_ms(model, batch, dev),
+        "int8_ms": latency_ms(qmodel, batch, dev),
+        "batch": len(batch),
+        "summary": qfuse.summary(qmodel),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cache", action="store_true", help="retrain, do not read/write cache")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    args = parser.parse_args()
+    r = run(args.epochs, args.seed, not args.no_cache, args.device)
+    drop = r["fp32_top1"] - r["int8_top1"]
+    print(f"\nDigits CNN+MLP, static int8 PTQ ({r['device']}, test split of 450 images)\n")
+    print(f"{'model':<8}{'top-1 %':>10}{'latency/batch of ' + str(r['batch']):>26}")
+    print(f"{'fp32':<8}{r['fp32_top1']:>10.2f}{r['fp32_ms']:>23.2f} ms")
+    print(f"{'int8':<8}{r['int8_top1']:>10.2f}{r['int8_ms']:>23.2f} ms")
+    print(f"\naccuracy drop: {drop:.2f} points\n\nfused layers:\n{r['summary']}")
+
+
+if __name__ == "__main__":
+    main()

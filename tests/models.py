@@ -1,0 +1,52 @@
+"""Small models shared by the flow tests."""
+
+import torch
+from torch import nn
+
+
+class MLPBlock(nn.Module):
+    """Transformer MLP block: Linear -> GELU -> Linear -> + residual."""
+
+    def __init__(self, d: int = 32, h: int = 64, approximate: str = "none") -> None:
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.act = nn.GELU(approximate=approximate)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x))) + x
+
+
+class ConvNet(nn.Module):
+    """Conv-BN-ReLU -> Conv-BN-ReLU -> pool -> Linear-ReLU -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.fc1 = nn.Linear(16 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = nn.functional.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def randomize_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial running statistics, so folding BN actually changes the weights."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.rand(m.num_features, generator=g) - 0.5)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.bias.data.copy_(torch.rand(m.num_features, generator=g) - 0.5)
+    return model.eval()
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean())).item()

@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+import qfuse
+from qfuse.ops.backend import Backend, requested_backend, resolve_backend
+
+
+def test_auto_uses_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("QFUSE_BACKEND", raising=False)
+    assert resolve_backend(torch.device("cpu")) is Backend.REFERENCE
+
+
+def test_environment_variable_forces_backend(monkeypatch):
+    monkeypatch.setenv("QFUSE_BACKEND", "triton")
+    assert requested_backend() is Backend.TRITON
+    assert resolve_backend(torch.device("cpu")) is Backend.TRITON  # interpreter is on in tests
+
+
+def test_unknown_backend_name_is_an_error(monkeypatch):
+    monkeypatch.setenv("QFUSE_BACKEND", "cuda-graphs")
+    with pytest.raises(qfuse.BackendError, match="auto, triton, reference"):
+        requested_backend()
+
+
+def test_triton_without_interpreter_on_cpu_is_an_error(monkeypatch):
+    monkeypatch.setattr("qfuse.ops.backend.triton_interpreted", lambda: False)
+    with qfuse.use_backend("triton"), pytest.raises(qfuse.BackendError, match="TRITON_INTERPRET"):
+        resolve_backend(torch.device("cpu"))
+
+
+def test_forcing_triton_for_an_op_without_kernel_is_an_error():
+    with qfuse.use_backend("triton"), pytest.raises(qfuse.BackendError, match="no Triton kernel"):
+        resolve_backend(torch.device("cpu"), has_triton_kernel=False)

@@ -1,0 +1,30 @@
+import torch
+
+import qfuse
+from qfuse.summary import COLUMNS
+from tests.models import MLPBlock
+
+
+def test_summary_rows_are_data_and_render_as_table():
+    model = MLPBlock().eval()
+    x = torch.randn(4, 32)
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,))
+    prepared(x)
+    s = qfuse.summary(qfuse.convert(prepared))
+    assert [r["name"] for r in s.rows] == ["up", "down"]
+    assert all(set(r) == set(COLUMNS) for r in s.rows)
+    up, down = s.rows
+    assert up["pattern"] == "Linear→GELU" and up["output"] == "int8 to down"
+    assert down["pattern"] == "Linear→residual" and down["input"] == "int8 from up"
+    assert up["kernel"] == "torch reference (cpu)"
+    text = str(s)
+    assert text.splitlines()[0].split()[:3] == ["name", "pattern", "precision"]
+    assert "Linear→GELU" in text
+
+
+def test_summary_reports_the_backend_that_will_run():
+    prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
+    prepared(torch.randn(4, 32))
+    qmodel = qfuse.convert(prepared)
+    with qfuse.use_backend("triton"):
+        assert qfuse.summary(qmodel).rows[0]["kernel"] == "triton qgemm (cpu)"
