@@ -18,7 +18,9 @@ class DigitsSplits:
     test: tuple[torch.Tensor, torch.Tensor]
 
 
-def load_digits_splits(seed: int = 0, test_fraction: float = 0.25, calib_size: int = 256) -> DigitsSplits:
+def load_digits_splits(
+    seed: int = 0, test_fraction: float = 0.25, calib_size: int = 256
+) -> DigitsSplits:
     """Images as float32 [N, 1, 8, 8] scaled to [0, 1], labels int64.
 
     Example:

@@ -18,8 +18,10 @@ from qfuse.errors import (
     ShapeError,
     UnsupportedError,
 )
+from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.prepare import prepare
+from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.summary import Summary, summary
 
 __version__ = "0.1.0"
@@ -29,18 +31,22 @@ __all__ = [
     "BackendError",
     "CalibrationError",
     "CaptureError",
+    "FallbackResult",
     "FormatError",
     "PerChannel",
     "PerTensor",
     "PerToken",
     "QConfig",
     "QFuseError",
+    "SensitivityReport",
     "ShapeError",
     "Summary",
     "UnsupportedError",
+    "auto_fallback",
     "convert",
     "prepare",
     "resolve_backend",
+    "sensitivity",
     "summary",
     "use_backend",
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
+
 import torch
 from torch import fx, nn
 
@@ -14,8 +17,26 @@ from qfuse.observers import make_observer
 from qfuse.state import STATE_ATTR, QFuseState
 
 
+def _check_supported(config) -> None:
+    if not isinstance(config, QConfig):
+        raise UnsupportedError(f"config must be a qfuse.QConfig, got {type(config).__name__}.")
+    if config.dtype != torch.int8 or config.is_dynamic:
+        raise UnsupportedError(
+            "qfuse.prepare implements static int8 (QConfig.int8_static / int8_static_asymmetric) "
+            "so far; fp8 and dynamic activation quantization are not implemented yet."
+        )
+
+
 def _observer_name(node_name: str) -> str:
     return f"qfuse_observer_{node_name}"
+
+
+def config_for(name: str, config: QConfig, layer_configs: Mapping[str, QConfig] | None) -> QConfig:
+    """The config of layer ``name``: the first matching ``layer_configs`` glob, else ``config``."""
+    for pattern, layer_config in (layer_configs or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return layer_config
+    return config
 
 
 def prepare(
@@ -24,15 +45,20 @@ def prepare(
     example_inputs: tuple,
     example_kwargs: dict | None = None,
     dynamic_shapes=None,
+    layer_configs: Mapping[str, QConfig] | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` and insert observers in front of every fusible Linear/Conv2d chain.
 
     Calibrate by calling the returned module on representative batches, then ``qfuse.convert``.
     The float model is not modified (BatchNorm is folded in the captured copy).
+    ``layer_configs`` maps layer-name globs (``"encoder.layer.*.output.dense"``) to the QConfig
+    whose observer and activation scheme those layers use (first match wins); layers reading one
+    shared input share one observer, configured by the first of them.
 
     Example:
         >>> import torch, qfuse
-        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         >>> x = torch.randn(4, 8)
         >>> prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
         >>> _ = prepared(x)
@@ -40,13 +66,13 @@ def prepare(
         >>> [row["pattern"] for row in qfuse.summary(qmodel).rows]
         ['Linear→ReLU', 'Linear']
     """
-    if not isinstance(config, QConfig):
-        raise UnsupportedError(f"config must be a qfuse.QConfig, got {type(config).__name__}.")
-    if config.dtype != torch.int8 or config.is_dynamic:
-        raise UnsupportedError(
-            "qfuse.prepare implements static int8 (QConfig.int8_static / int8_static_asymmetric) "
-            "so far; fp8 and dynamic activation quantization are not implemented yet."
-        )
+    for cfg in [config, *(layer_configs or {}).values()]:
+        _check_supported(cfg)
+        if cfg.dtype != config.dtype or cfg.weight_granularity != config.weight_granularity:
+            raise UnsupportedError(
+                "layer_configs may change the observer and activation scheme per layer, not the "
+                "dtype or weight granularity; use keep_float in qfuse.convert for mixed precision."
+            )
     gm = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     folded = fold_batchnorm(gm)
     chains, skipped = find_chains(gm)
@@ -56,9 +82,10 @@ def prepare(
         if chain.input in observers:
             continue
         readers = [c.name for c in chains if c.input == chain.input]
+        layer_config = config_for(chain.name, config, layer_configs)
         obs = make_observer(
-            config.observer,
-            symmetric=config.symmetric,
+            layer_config.observer,
+            symmetric=layer_config.symmetric,
             layer_name=f"{', '.join(readers)} (input)",
         )
         obs_name = _observer_name(chain.input)
@@ -72,6 +99,9 @@ def prepare(
                 anchor = nodes[reader.anchor]
                 anchor.args = (obs_node, *anchor.args[1:])
     gm.recompile()
-    setattr(gm, STATE_ATTR, QFuseState(config, "prepared", chains, skipped, observers,
-                                       folded_batchnorms=folded))
+    setattr(
+        gm,
+        STATE_ATTR,
+        QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded),
+    )
     return gm

@@ -10,8 +10,18 @@ from qfuse.errors import QFuseError
 from qfuse.ops.backend import resolve_backend
 from qfuse.state import STATE_ATTR
 
-COLUMNS = ("name", "pattern", "precision", "kernel", "input", "output", "x_scale", "w_scale",
-           "out_scale", "note")
+COLUMNS = (
+    "name",
+    "pattern",
+    "precision",
+    "kernel",
+    "input",
+    "output",
+    "x_scale",
+    "w_scale",
+    "out_scale",
+    "note",
+)
 
 
 def _fmt(value) -> str:
@@ -32,7 +42,9 @@ class Summary:
         cols = [c for c in COLUMNS if any(_fmt(r.get(c)) for r in self.rows)]
         table = [[_fmt(r.get(c)) for c in cols] for r in self.rows]
         widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        line = lambda cells: "  ".join(
+            c.ljust(w) for c, w in zip(cells, widths, strict=False)
+        ).rstrip()  # noqa: E731
         out = [line(cols), line(["-" * w for w in widths])] + [line(r) for r in table]
         return "\n".join(out)
 
@@ -58,23 +70,51 @@ def summary(model: fx.GraphModule) -> Summary:
     """
     state = getattr(model, STATE_ATTR, None)
     if state is None:
-        raise QFuseError("qfuse.summary expects a model returned by qfuse.prepare or qfuse.convert.")
+        raise QFuseError(
+            "qfuse.summary expects a model returned by qfuse.prepare or qfuse.convert."
+        )
     rows: list[dict] = []
     if state.stage == "converted":
         for rec in state.layers:
             mod = model.get_submodule(rec.name)
             out_scale = float(mod.out_scale) if mod.out_scale is not None else None
-            rows.append(dict(
-                name=rec.name, pattern=rec.pattern, precision=rec.precision, kernel=_kernel(mod),
-                input=rec.input, output=rec.output, x_scale=float(mod.x_scale),
-                w_scale=f"{float(mod.weight_scale.min()):.3g}..{float(mod.weight_scale.max()):.3g}",
-                out_scale=out_scale, note=rec.note,
-            ))
+            rows.append(
+                dict(
+                    name=rec.name,
+                    pattern=rec.pattern,
+                    precision=rec.precision,
+                    kernel=_kernel(mod),
+                    input=rec.input,
+                    output=rec.output,
+                    x_scale=float(mod.x_scale),
+                    w_scale=f"{float(mod.weight_scale.min()):.3g}..{float(mod.weight_scale.max()):.3g}",
+                    out_scale=out_scale,
+                    note=rec.note,
+                )
+            )
     else:
         for chain in state.chains:
-            rows.append(dict(name=chain.name, pattern=chain.pattern, precision="float (observing)",
-                             kernel="", input="", output="", note=""))
+            rows.append(
+                dict(
+                    name=chain.name,
+                    pattern=chain.pattern,
+                    precision="float (observing)",
+                    kernel="",
+                    input="",
+                    output="",
+                    note="",
+                )
+            )
     for skip in state.skipped:
-        rows.append(dict(name=skip.name, pattern=skip.kind.capitalize(), precision="float",
-                         kernel="aten (not quantized)", input="", output="", note=skip.reason))
+        rows.append(
+            dict(
+                name=skip.name,
+                pattern=skip.kind.capitalize(),
+                precision="float",
+                kernel="aten (not quantized)",
+                input="",
+                output="",
+                note=skip.reason,
+            )
+        )
     return Summary(rows)

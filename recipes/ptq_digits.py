@@ -81,7 +81,7 @@ def load_or_train(splits, epochs: int, seed: int, use_cache: bool) -> DigitsNet:
 @torch.no_grad()
 def accuracy(model, x, y, device, batch_size: int = 256) -> float:
     correct = 0
-    for xb, yb in zip(batches(x, batch_size), batches(y, batch_size)):
+    for xb, yb in zip(batches(x, batch_size), batches(y, batch_size), strict=False):
         correct += (model(xb.to(device)).argmax(-1).cpu() == yb).sum().item()
     return 100.0 * correct / len(y)
 

@@ -41,7 +41,7 @@ def test_convnet_folds_bn_and_stays_accurate():
     qmodel = quantize(model, x)
     assert sum(isinstance(m, QConv2d) for m in qmodel.modules()) == 2
     assert not any(isinstance(m, nn.BatchNorm2d) for m in qmodel.modules())
-    state = getattr(qmodel, "_qfuse_state")
+    state = qmodel._qfuse_state
     assert len(state.folded_batchnorms) == 2
     with torch.no_grad():
         assert sqnr_db(model(x), qmodel(x)) > 25
@@ -119,5 +119,27 @@ def test_convert_does_not_modify_prepared_model():
     prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
     prepared(torch.randn(4, 32))
     qfuse.convert(prepared)
-    assert getattr(prepared, "_qfuse_state").stage == "prepared"
+    assert prepared._qfuse_state.stage == "prepared"
     prepared(torch.randn(4, 32))  # still calibratable
+
+
+def test_keep_float_leaves_layer_in_float_and_breaks_the_int8_handoff():
+    torch.manual_seed(0)
+    model = MLPBlock().eval()
+    x = torch.randn(4, 32)
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,))
+    prepared(x)
+    qmodel = qfuse.convert(prepared, keep_float={"down": "sensitive"})
+    assert qmodel.get_submodule("up").out_dtype == torch.float32  # its reader is float now
+    assert not isinstance(qmodel.get_submodule("down"), QLinear)
+    rows = {r["name"]: r for r in qfuse.summary(qmodel).rows}
+    assert rows["down"]["precision"] == "float" and rows["down"]["note"] == "kept float: sensitive"
+    with torch.no_grad():
+        assert sqnr_db(model(x), qmodel(x)) > 30
+
+
+def test_keep_float_with_unknown_name_is_an_error():
+    prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
+    prepared(torch.randn(2, 32))
+    with pytest.raises(qfuse.QFuseError, match="not fusible chains"):
+        qfuse.convert(prepared, keep_float={"nope": "x"})

@@ -56,3 +56,25 @@ def test_unsupported_input_dtype_is_reported_not_quantized():
 def test_non_qconfig_is_rejected():
     with pytest.raises(qfuse.UnsupportedError, match="QConfig"):
         qfuse.prepare(MLPBlock(), {"dtype": "int8"}, (torch.randn(2, 32),))
+
+
+def test_layer_configs_choose_the_observer_scheme_per_layer():
+    cfg = qfuse.QConfig.int8_static()
+    prepared = qfuse.prepare(
+        MLPBlock().eval(),
+        cfg,
+        (torch.randn(2, 32),),
+        layer_configs={"do*": qfuse.QConfig(symmetric=False)},
+    )
+    observers = {m.layer_name: m for m in prepared.modules() if isinstance(m, MinMaxObserver)}
+    assert observers["up (input)"].symmetric and not observers["down (input)"].symmetric
+
+
+def test_layer_configs_cannot_change_dtype():
+    with pytest.raises(qfuse.UnsupportedError, match="layer_configs"):
+        qfuse.prepare(
+            MLPBlock().eval(),
+            qfuse.QConfig.int8_static(),
+            (torch.randn(2, 32),),
+            layer_configs={"up": qfuse.QConfig(weight_granularity=qfuse.PerTensor())},
+        )

@@ -1,6 +1,7 @@
 """Fold eval-mode BatchNorm2d into the Conv2d that feeds it, in the captured graph.
 
-``w' = w * g / sqrt(var + eps)`` per output channel and ``b' = (b - mean) * g / sqrt(var + eps) + beta``,
+``w' = w * g / sqrt(var + eps)`` per output channel and
+``b' = (b - mean) * g / sqrt(var + eps) + beta``,
 computed in float64 and stored in the weight's dtype, so the quantized conv sees the folded weight
 (whose per-channel range is what the int8 scale must cover).
 """
@@ -23,7 +24,9 @@ def _get(gm: fx.GraphModule, node) -> torch.Tensor | None:
         return None
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         raise ValueError("not a parameter")
-    return gm.get_parameter(node.target) if _is_param(gm, node.target) else gm.get_buffer(node.target)
+    return (
+        gm.get_parameter(node.target) if _is_param(gm, node.target) else gm.get_buffer(node.target)
+    )
 
 
 def _is_param(gm: fx.GraphModule, target: str) -> bool:
@@ -67,10 +70,12 @@ def fold_batchnorm(gm: fx.GraphModule) -> list[str]:
         g = gamma.double() * inv_std if gamma is not None else inv_std
         new_w = (weight.double() * g.reshape(-1, 1, 1, 1)).to(weight.dtype)
         b = bias.double() if bias is not None else torch.zeros_like(mean, dtype=torch.float64)
-        new_b = ((b - mean.double()) * g + (beta.double() if beta is not None else 0.0))
+        new_b = (b - mean.double()) * g + (beta.double() if beta is not None else 0.0)
         w_target = conv.args[1].target
-        b_target = w_target[: -len("weight")] + "folded_bias" if w_target.endswith("weight") else (
-            w_target + "_folded_bias"
+        b_target = (
+            w_target[: -len("weight")] + "folded_bias"
+            if w_target.endswith("weight")
+            else (w_target + "_folded_bias")
         )
         owner, _, leaf = w_target.rpartition(".")
         owner_mod = gm.get_submodule(owner) if owner else gm
@@ -86,6 +91,8 @@ def fold_batchnorm(gm: fx.GraphModule) -> list[str]:
         conv.args = tuple(args)
         folded.append(bn.args[1].target if isinstance(bn.args[1], fx.Node) else bn.name)
         out.replace_all_uses_with(conv)
-        erase_if_dead(gm, ([out, bn] if out is not bn else [bn]) + [old_bias] * (old_bias is not None))
+        erase_if_dead(
+            gm, ([out, bn] if out is not bn else [bn]) + [old_bias] * (old_bias is not None)
+        )
     gm.recompile()
     return folded

@@ -174,7 +174,11 @@ def find_chains(gm: fx.GraphModule) -> tuple[list[Chain], list[Skipped]]:
             user = next(iter(cur.users))
             if is_eval_identity(user):
                 pass
-            elif (act := activation_of(user)) and chain.activation == "none" and chain.residual is None:
+            elif (
+                (act := activation_of(user))
+                and chain.activation == "none"
+                and chain.residual is None
+            ):
                 chain.activation = act
             elif chain.residual is None and (other := residual_operand(user, cur)) is not None:
                 chain.residual = other.name

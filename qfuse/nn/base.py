@@ -44,12 +44,14 @@ class QuantizedModule(nn.Module):
         out = {}
         for name in self.LAYOUT_FIELDS:
             value = getattr(self, name)
-            out[name] = str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value
+            out[name] = (
+                str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value
+            )
         out["buffers"] = sorted(k for k, v in self._buffers.items() if v is not None)
         return out
 
     @classmethod
-    def from_layout(cls, layout: dict, tensors: dict[str, torch.Tensor]) -> "QuantizedModule":
+    def from_layout(cls, layout: dict, tensors: dict[str, torch.Tensor]) -> QuantizedModule:
         """Rebuild a module from ``layout()`` and its buffers (e.g. read back from a file)."""
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)

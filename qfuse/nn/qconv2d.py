@@ -11,8 +11,18 @@ from qfuse.primitives import quantize_weight
 class QConv2d(QuantizedModule):
     """int8 Conv2d through ``qfuse::qconv2d`` (reference kernel on every device for now)."""
 
-    BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", "x_scale", "x_inv_scale",
-                    "x_zero_point", "out_scale", "out_inv_scale", "out_zero_point")
+    BUFFER_NAMES = (
+        "weight",
+        "weight_scale",
+        "scale",
+        "bias",
+        "x_scale",
+        "x_inv_scale",
+        "x_zero_point",
+        "out_scale",
+        "out_inv_scale",
+        "out_zero_point",
+    )
     LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + ("stride", "padding", "dilation", "groups")
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, groups: int = 1) -> None:
@@ -66,9 +76,21 @@ class QConv2d(QuantizedModule):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.qfuse.qconv2d(
-            x, self.weight, self.scale, self.bias, self.x_inv_scale, self.x_zero_point, residual,
-            self.out_inv_scale, self.out_zero_point, self.activation, self.out_dtype, self.stride,
-            self.padding, self.dilation, self.groups,
+            x,
+            self.weight,
+            self.scale,
+            self.bias,
+            self.x_inv_scale,
+            self.x_zero_point,
+            residual,
+            self.out_inv_scale,
+            self.out_zero_point,
+            self.activation,
+            self.out_dtype,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
         )
 
     def extra_repr(self) -> str:

@@ -9,6 +9,9 @@ the statistics into ``(scale float32, zero_point int32)`` with the conventions o
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -41,9 +44,10 @@ class Observer(nn.Module):
         self.channel_axis = channel_axis
         self.layer_name = layer_name
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
+        self.enabled = True  # off: a pure identity (evaluating a prepared model must not calibrate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point():
+        if not self.enabled or not x.is_floating_point():
             return x
         xd = x.detach()
         if not bool(torch.isfinite(xd).all()):
@@ -89,3 +93,27 @@ class Observer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_name}, symmetric={self.symmetric}, axis={self.channel_axis}"
+
+
+@contextlib.contextmanager
+def observers_disabled(model: nn.Module) -> Iterator[None]:
+    """Run a prepared model as the float model it wraps, without recording statistics.
+
+    Example:
+        >>> import torch
+        >>> from qfuse.observers import MinMaxObserver
+        >>> obs = MinMaxObserver()
+        >>> with observers_disabled(torch.nn.Sequential(obs)):
+        ...     _ = obs(torch.ones(2))
+        >>> int(obs.num_batches)
+        0
+    """
+    observers = [m for m in model.modules() if isinstance(m, Observer)]
+    previous = [o.enabled for o in observers]
+    for o in observers:
+        o.enabled = False
+    try:
+        yield
+    finally:
+        for o, flag in zip(observers, previous, strict=False):
+            o.enabled = flag

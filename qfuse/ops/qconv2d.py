@@ -33,14 +33,42 @@ def qconv2d(
     """Fused ``[quantize] -> int8 conv2d -> scale -> bias -> act -> [+ residual] -> [requant]``."""
     resolve_backend(x.device, has_triton_kernel=False)
     return reference.qconv2d(
-        x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale,
-        out_zero_point, activation, out_dtype, stride, padding, dilation, groups,
+        x,
+        weight,
+        scale,
+        bias,
+        x_inv_scale,
+        x_zero_point,
+        residual,
+        out_inv_scale,
+        out_zero_point,
+        activation,
+        out_dtype,
+        stride,
+        padding,
+        dilation,
+        groups,
     )
 
 
 @qconv2d.register_fake
-def _(x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale, out_zero_point,
-      activation, out_dtype, stride, padding, dilation, groups):
+def _(
+    x,
+    weight,
+    scale,
+    bias,
+    x_inv_scale,
+    x_zero_point,
+    residual,
+    out_inv_scale,
+    out_zero_point,
+    activation,
+    out_dtype,
+    stride,
+    padding,
+    dilation,
+    groups,
+):
     n, _, h, w = x.shape
     kh, kw = weight.shape[2], weight.shape[3]
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1

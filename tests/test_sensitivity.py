@@ -1,0 +1,85 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import qfuse
+from qfuse.sensitivity import output_sqnr_db
+
+
+def planted_model() -> nn.Sequential:
+    """Four Linear layers; the third (index 4) reads one channel of magnitude ~500 that its weight
+    ignores, so a per-tensor int8 input scale wipes out all its other inputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 8),
+    ).eval()
+    with torch.no_grad():
+        model[2].bias[5] = 500.0
+        model[4].weight[:, 5] = 0.0
+    return model
+
+
+def calibrated(model, x):
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,))
+    with torch.no_grad():
+        prepared(x)
+    return prepared
+
+
+def test_sensitivity_ranks_the_planted_layer_first(tmp_path):
+    x = torch.randn(64, 16)
+    prepared = calibrated(planted_model(), x)
+    report = qfuse.sensitivity(prepared, data=[x])
+    ranked = report.ranked()
+    assert ranked[0].name == "4"
+    assert ranked[0].sqnr_db < 15 < min(r.sqnr_db for r in ranked[1:])
+    assert "layer" in str(report).splitlines()[0]
+    png = report.plot(str(tmp_path / "sens.png"))
+    assert open(png, "rb").read(4) == b"\x89PNG"
+    # measuring must not have recalibrated the observers
+    assert all(int(m.num_batches) == 1 for m in prepared.modules() if hasattr(m, "num_batches"))
+
+
+def test_auto_fallback_keeps_exactly_the_planted_layer():
+    model = planted_model()
+    x = torch.randn(64, 16)
+    prepared = calibrated(model, x)
+    with torch.no_grad():
+        ref = model(x)
+
+    def eval_fn(m):  # output SQNR in dB: higher is better, float scores +inf -> cap it
+        with torch.no_grad():
+            return min(output_sqnr_db([ref], [m(x)]), 100.0)
+
+    qmodel, result = qfuse.auto_fallback(prepared, eval_fn, max_drop=100.0 - 30.0)
+    assert list(result.kept_float) == ["4"]
+    assert result.metric >= 30.0
+    rows = {r["name"]: r for r in qfuse.summary(qmodel).rows}
+    assert rows["4"]["precision"] == "float" and "auto_fallback" in rows["4"]["note"]
+    assert all(rows[n]["precision"] == "int8" for n in ("0", "2", "6"))
+    # deterministic
+    _, again = qfuse.auto_fallback(prepared, eval_fn, max_drop=70.0, report=result.report)
+    assert again.kept_float == result.kept_float
+
+
+def test_auto_fallback_keeps_nothing_when_budget_allows():
+    x = torch.randn(32, 16)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    prepared = calibrated(model, x)
+    _, result = qfuse.auto_fallback(prepared, lambda m: 1.0, max_drop=0.0)
+    assert result.kept_float == {}
+
+
+def test_sensitivity_needs_something_to_measure():
+    prepared = calibrated(planted_model(), torch.randn(4, 16))
+    with pytest.raises(qfuse.QFuseError, match="data"):
+        qfuse.sensitivity(prepared)
+    assert math.isinf(output_sqnr_db([torch.ones(3)], [torch.ones(3)]))
