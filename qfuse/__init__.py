@@ -18,10 +18,12 @@ from qfuse.errors import (
     ShapeError,
     UnsupportedError,
 )
+from qfuse.export import export_program, export_torchscript, load, save
 from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.prepare import prepare
 from qfuse.sensitivity import SensitivityReport, sensitivity
+from qfuse.smoothquant import SmoothQuant
 from qfuse.summary import Summary, summary
 
 __version__ = "0.1.0"
@@ -40,6 +42,7 @@ __all__ = [
     "QFuseError",
     "SensitivityReport",
     "ShapeError",
+    "SmoothQuant",
     "Summary",
     "UnsupportedError",
     "auto_fallback",
@@ -49,4 +52,8 @@ __all__ = [
     "sensitivity",
     "summary",
     "use_backend",
+    "save",
+    "load",
+    "export_torchscript",
+    "export_program",
 ]

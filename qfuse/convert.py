@@ -1,8 +1,8 @@
 """``qfuse.convert``: turn a calibrated prepared model into fused quantized modules.
 
 Each chain becomes one call_module node (QLinear/QConv2d) at the chain's module path. A chain
-whose output is read only by other quantized chains hands them int8 (requantized in its epilogue
-with their input scale); every other output is float in the model's dtype.
+whose output is read only by other quantized chains that agree on one input scale hands them int8
+(requantized in its epilogue); every other output is float in the model's dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from qfuse.errors import QFuseError
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
+from qfuse.primitives import choose_qparams, inverse
+from qfuse.smoothquant import factors, smoothed_qparams
 from qfuse.state import STATE_ATTR, LayerRecord, QFuseState
 
 
@@ -31,8 +33,59 @@ def _state(model) -> QFuseState:
     return state
 
 
-def _consumers(chain: Chain, chains_by_input: dict[str, list[Chain]], nodes, observers) -> list:
-    """The chains reading this chain's output, if they are its only readers; else []."""
+def _tensor(gm: fx.GraphModule, target: str | None) -> torch.Tensor | None:
+    if target is None:
+        return None
+    params = dict(gm.named_parameters())
+    return (params[target] if target in params else gm.get_buffer(target)).detach()
+
+
+def _per_tensor_qparams(observer):
+    """Per-tensor qparams even from a per-channel (SmoothQuant) observer."""
+    if observer.channel_axis is None:
+        return observer.calculate_qparams()
+    observer.calculate_qparams()  # the same checks (calibrated, not all-zero) and messages
+    lo, hi = observer.value_range()
+    return choose_qparams(lo.min(), hi.max(), symmetric=observer.symmetric)
+
+
+class _Plan:
+    """Float weights, input qparams and prologue vectors per chain, after SmoothQuant."""
+
+    def __init__(self, gm, state, chains, observers):
+        self.weights = {c.name: _tensor(gm, c.weight).float() for c in chains}
+        self.biases = {c.name: _tensor(gm, c.bias) for c in chains}
+        self.biases = {k: (b.float() if b is not None else None) for k, b in self.biases.items()}
+        mods = {src: gm.get_submodule(name) for src, name in observers.items()}
+        self.x_qparams = {c.name: _per_tensor_qparams(mods[c.input]) for c in chains}
+        self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
+        by_name = {c.name: c for c in chains}
+        readers: dict[str, list[Chain]] = {}
+        for c in chains:
+            readers.setdefault(c.input, []).append(c)
+        for name in state.smoothed:
+            chain = by_name.get(name)
+            if chain is None:
+                continue
+            obs = mods[chain.input]
+            lo, hi = obs.value_range()
+            s = factors(
+                torch.maximum(lo.abs(), hi.abs()), self.weights[name], state.smoothquant.alpha
+            )
+            self.weights[name] = self.weights[name] * s[None, :]
+            self.x_qparams[name] = smoothed_qparams(lo, hi, s, obs.symmetric)
+            producer = next((c for c in chains if c.output == chain.input), None)
+            if producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1:
+                self.weights[producer.name] = self.weights[producer.name] / s[:, None]
+                if self.biases[producer.name] is not None:
+                    self.biases[producer.name] = self.biases[producer.name] / s
+            else:
+                self.prologue[name] = (inverse(s) * inverse(self.x_qparams[name][0])).float()
+
+
+def _handoff_readers(chain, readers_of, nodes, observers, plan) -> list[Chain]:
+    """The chains this chain can hand int8 to: they must be the output's only readers (through
+    its observer), take their input unsmoothed or folded, and agree on one input scale."""
     out = nodes[chain.output]
     obs_name = observers.get(chain.output)
     if obs_name is None or len(out.users) != 1:
@@ -40,25 +93,20 @@ def _consumers(chain: Chain, chains_by_input: dict[str, list[Chain]], nodes, obs
     (obs_node,) = out.users
     if obs_node.op != "call_module" or obs_node.target != obs_name:
         return []
-    readers = chains_by_input.get(chain.output, [])
+    readers = readers_of.get(chain.output, [])
     if {u.name for u in obs_node.users} != {r.anchor for r in readers}:
         return []
-    return readers
+    if any(r.name in plan.prologue for r in readers):
+        return []
+    scales = {(float(plan.x_qparams[r.name][0]), int(plan.x_qparams[r.name][1])) for r in readers}
+    return readers if len(scales) == 1 else []
 
 
-def _build(gm, chain: Chain, config, x_qparams, out_qparams, input_quantized, out_dtype):
-    weight = (
-        gm.get_parameter(chain.weight)
-        if chain.weight in dict(gm.named_parameters())
-        else (gm.get_buffer(chain.weight))
-    )
-    bias = None
-    if chain.bias is not None:
-        params = dict(gm.named_parameters())
-        bias = params[chain.bias] if chain.bias in params else gm.get_buffer(chain.bias)
+def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_dtype):
+    scale, zp = plan.x_qparams[chain.name]
     common = dict(
-        x_scale=x_qparams[0],
-        x_zero_point=x_qparams[1],
+        x_scale=scale,
+        x_zero_point=zp,
         per_channel=config.weight_granularity.__class__.__name__ == "PerChannel",
         activation=chain.activation,
         input_quantized=input_quantized,
@@ -66,9 +114,14 @@ def _build(gm, chain: Chain, config, x_qparams, out_qparams, input_quantized, ou
         out_zero_point=out_qparams[1] if out_qparams else None,
         out_dtype=out_dtype,
     )
+    weight, bias = plan.weights[chain.name], plan.biases[chain.name]
     if chain.kind == "linear":
-        return QLinear.from_float(weight, bias, **common)
-    return QConv2d.from_float(weight, bias, **chain.conv, **common)
+        module = QLinear.from_float(weight, bias, **common)
+    else:
+        module = QConv2d.from_float(weight, bias, **chain.conv, **common)
+    if chain.name in plan.prologue:
+        module.x_inv_scale = plan.prologue[chain.name].to(module.weight.device)
+    return module
 
 
 def convert(
@@ -98,36 +151,28 @@ def convert(
     nodes = {n.name: n for n in gm.graph.nodes}
     observers = state.observers
     chains = [c for c in state.chains if c.name not in keep_float]
-    needed = {c.input for c in chains} | {c.output for c in chains if c.output in observers}
-    qparams = {
-        src: gm.get_submodule(name).calculate_qparams()
-        for src, name in observers.items()
-        if src in needed
-    }
+    plan = _Plan(gm, state, chains, observers)
 
-    chains_by_input: dict[str, list[Chain]] = {}
+    readers_of: dict[str, list[Chain]] = {}
     for chain in chains:
-        chains_by_input.setdefault(chain.input, []).append(chain)
-    consumers = {c.name: _consumers(c, chains_by_input, nodes, observers) for c in chains}
-    producers = {r.name: c.name for c in chains for r in consumers[c.name]}
+        readers_of.setdefault(chain.input, []).append(chain)
+    handoff = {c.name: _handoff_readers(c, readers_of, nodes, observers, plan) for c in chains}
+    producers = {r.name: c.name for c in chains for r in handoff[c.name]}
 
-    # Observers go first, so every anchor reads its real producer again.
-    remove_observers(gm, observers.values())
+    remove_observers(gm, observers.values())  # every anchor reads its real producer again
     modules, layers, paths = {}, [], module_paths(state.chains)
     for chain in chains:
-        readers = consumers[chain.name]
+        readers = handoff[chain.name]
         float_dtype = nodes[chain.output].meta["val"].dtype
-        out_qparams = qparams[chain.output] if readers else None
+        out_qparams = plan.x_qparams[readers[0].name] if readers else None
         out_dtype = torch.int8 if readers else float_dtype
         modules[chain.name] = _build(
-            gm,
-            chain,
-            state.config,
-            qparams[chain.input],
-            out_qparams,
-            chain.name in producers,
-            out_dtype,
+            chain, state.config, plan, out_qparams, chain.name in producers, out_dtype
         )
+        notes = []
+        if chain.name in state.smoothed:
+            where = "prologue" if chain.name in plan.prologue else "folded into producer"
+            notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
         layers.append(
             LayerRecord(
                 name=paths[chain.name],
@@ -140,6 +185,7 @@ def convert(
                 output=f"int8 to {', '.join(r.name for r in readers)}"
                 if readers
                 else str(float_dtype).replace("torch.", ""),
+                note="; ".join(notes),
             )
         )
     fuse_chains(gm, state.chains, modules)

@@ -14,6 +14,8 @@ from qfuse.errors import UnsupportedError
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.patterns import find_chains
 from qfuse.observers import make_observer
+from qfuse.smoothquant import SmoothQuant
+from qfuse.smoothquant import select as smoothquant_select
 from qfuse.state import STATE_ATTR, QFuseState
 
 
@@ -46,6 +48,7 @@ def prepare(
     example_kwargs: dict | None = None,
     dynamic_shapes=None,
     layer_configs: Mapping[str, QConfig] | None = None,
+    smoothquant: SmoothQuant | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` and insert observers in front of every fusible Linear/Conv2d chain.
 
@@ -53,7 +56,9 @@ def prepare(
     The float model is not modified (BatchNorm is folded in the captured copy).
     ``layer_configs`` maps layer-name globs (``"encoder.layer.*.output.dense"``) to the QConfig
     whose observer and activation scheme those layers use (first match wins); layers reading one
-    shared input share one observer, configured by the first of them.
+    shared input share one observer, configured by the first of them. ``smoothquant`` enables
+    SmoothQuant (``qfuse.SmoothQuant(alpha=...)``): inputs of the smoothed layers get per-channel
+    MinMax observers, whose statistics the smoothing factors need.
 
     Example:
         >>> import torch, qfuse
@@ -77,15 +82,19 @@ def prepare(
     folded = fold_batchnorm(gm)
     chains, skipped = find_chains(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
+    smoothed = smoothquant_select(gm, chains, smoothquant) if smoothquant else []
+    smoothed_inputs = {c.input for c in chains if c.name in smoothed}
     observers: dict[str, str] = {}
     for chain in chains:
         if chain.input in observers:
             continue
         readers = [c.name for c in chains if c.input == chain.input]
         layer_config = config_for(chain.name, config, layer_configs)
+        per_channel = chain.input in smoothed_inputs
         obs = make_observer(
-            layer_config.observer,
+            "minmax" if per_channel else layer_config.observer,
             symmetric=layer_config.symmetric,
+            channel_axis=-1 if per_channel else None,
             layer_name=f"{', '.join(readers)} (input)",
         )
         obs_name = _observer_name(chain.input)
@@ -99,9 +108,7 @@ def prepare(
                 anchor = nodes[reader.anchor]
                 anchor.args = (obs_node, *anchor.args[1:])
     gm.recompile()
-    setattr(
-        gm,
-        STATE_ATTR,
-        QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded),
-    )
+    state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
+    state.smoothquant, state.smoothed = smoothquant, smoothed
+    setattr(gm, STATE_ATTR, state)
     return gm

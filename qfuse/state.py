@@ -32,3 +32,5 @@ class QFuseState:
     observers: dict[str, str] = field(default_factory=dict)  # chain input node -> observer module
     layers: list[LayerRecord] = field(default_factory=list)
     folded_batchnorms: list[str] = field(default_factory=list)
+    smoothquant: object | None = None  # qfuse.smoothquant.SmoothQuant when enabled
+    smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to

@@ -1,0 +1,83 @@
+"""SmoothQuant: migrate per-channel activation outliers into the weights (Xiao et al., 2023).
+
+For a Linear ``y = x W^T`` and factors ``s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha)``,
+``y = (x / s) (W * s)^T`` exactly; ``x / s`` has flatter channels (an easier per-tensor int8
+range) and ``W * s`` still quantizes well per output channel.
+
+Where ``x / s`` is applied:
+- input produced by another Linear with nothing in between (no activation/residual) and read
+  only by this layer: folded into that Linear's weight rows and bias (free at run time);
+- anything else (a LayerNorm, whose output in post-LN BERT also feeds the residual add, so the
+  LayerNorm itself must not change): the fused kernel's prologue quantizes with a per-input-
+  channel vector ``(1/s_j) * (1/scale)`` instead of one scalar — the same multiply, no extra pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from qfuse.fusion.patterns import Chain, is_eval_identity
+from qfuse.primitives import choose_qparams
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class SmoothQuant:
+    """``alpha``: migration strength (0: none, 1: all to weights; 0.5 is the paper's default).
+    ``layers``: globs of Linear layer names to smooth; ``None`` smooths Linear layers fed by a
+    LayerNorm or directly by another Linear (the cases the paper targets)."""
+
+    alpha: float = 0.5
+    layers: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        from qfuse.errors import UnsupportedError
+
+        if not 0.0 <= self.alpha <= 1.0:
+            raise UnsupportedError(f"SmoothQuant alpha={self.alpha} must lie in [0, 1].")
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """Step back through eval-mode identities (dropout) to the node that computes the value."""
+    while is_eval_identity(node):
+        node = node.args[0]
+    return node
+
+
+def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[str]:
+    """Names of the Linear chains to smooth."""
+    import fnmatch
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    linear_outputs = {c.output for c in chains if c.kind == "linear" and len(c.nodes) == 1}
+    picked = []
+    for chain in chains:
+        if chain.kind != "linear":
+            continue
+        if cfg.layers is not None:
+            if any(fnmatch.fnmatchcase(chain.name, g) for g in cfg.layers):
+                picked.append(chain.name)
+            continue
+        src = _source(nodes[chain.input])
+        if src.target == aten.layer_norm.default or src.name in linear_outputs:
+            picked.append(chain.name)
+    return picked
+
+
+def factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-input-channel smoothing factors s (float32, > 0); channels that are zero in either the
+    activations or the weights get s = 1 (nothing to migrate)."""
+    w_absmax = weight.detach().float().abs().amax(dim=0)
+    a = act_absmax.float()
+    s = a.pow(alpha) / w_absmax.pow(1.0 - alpha)
+    ok = (a > 0) & (w_absmax > 0) & torch.isfinite(s)
+    return torch.where(ok, s, torch.ones_like(s)).clamp(min=1e-5).to(torch.float32)
+
+
+def smoothed_qparams(lo: torch.Tensor, hi: torch.Tensor, s: torch.Tensor, symmetric: bool):
+    """Per-tensor qparams of ``x / s`` from the per-channel range [lo_j, hi_j] of ``x``."""
+    return choose_qparams((lo / s).min(), (hi / s).max(), symmetric=symmetric)
