@@ -22,6 +22,7 @@ from qfuse.export import export_program, export_torchscript, load, save
 from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.prepare import prepare
+from qfuse.routing import CostModel, route
 from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.smoothquant import SmoothQuant
 from qfuse.summary import Summary, summary
@@ -33,6 +34,7 @@ __all__ = [
     "BackendError",
     "CalibrationError",
     "CaptureError",
+    "CostModel",
     "FallbackResult",
     "FormatError",
     "PerChannel",
@@ -49,6 +51,7 @@ __all__ = [
     "convert",
     "prepare",
     "resolve_backend",
+    "route",
     "sensitivity",
     "summary",
     "use_backend",
