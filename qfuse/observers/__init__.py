@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from qfuse.errors import UnsupportedError
 from qfuse.observers.base import Observer
+from qfuse.observers.histogram import (
+    HistogramEntropyObserver,
+    HistogramMSEObserver,
+    HistogramObserver,
+)
 from qfuse.observers.minmax import MinMaxObserver
+from qfuse.observers.moving_average import MovingAverageMinMaxObserver
+from qfuse.observers.percentile import PercentileObserver
 
 OBSERVER_REGISTRY: dict[str, type[Observer]] = {
     "minmax": MinMaxObserver,
+    "moving_average_minmax": MovingAverageMinMaxObserver,
+    "percentile": PercentileObserver,
+    "histogram": HistogramObserver,
+    "histogram_mse": HistogramMSEObserver,
+    "histogram_entropy": HistogramEntropyObserver,
 }
 
 
@@ -22,4 +34,14 @@ def make_observer(name: str, **kwargs) -> Observer:
     return cls(**kwargs)
 
 
-__all__ = ["OBSERVER_REGISTRY", "MinMaxObserver", "Observer", "make_observer"]
+__all__ = [
+    "OBSERVER_REGISTRY",
+    "HistogramEntropyObserver",
+    "HistogramMSEObserver",
+    "HistogramObserver",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "Observer",
+    "PercentileObserver",
+    "make_observer",
+]

@@ -44,11 +44,14 @@ class Observer(nn.Module):
         self.channel_axis = channel_axis
         self.layer_name = layer_name
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("num_channels", torch.zeros((), dtype=torch.int64))
         self.enabled = True  # off: a pure identity (evaluating a prepared model must not calibrate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or not x.is_floating_point():
-            return x
+        if not self.enabled or not x.is_floating_point() or x.numel() == 0:
+            return x  # an empty batch carries no range information (torch.ao skips it too)
+        if self.channel_axis is not None:
+            self._check_channels(x.shape[self.channel_axis])
         xd = x.detach()
         if not bool(torch.isfinite(xd).all()):
             bad = "NaN" if bool(torch.isnan(xd).any()) else "Inf"
@@ -60,6 +63,27 @@ class Observer(nn.Module):
         self.observe(xd.float())
         self.num_batches += 1
         return x
+
+    def _check_channels(self, channels: int) -> None:
+        if int(self.num_batches) == 0:
+            self.num_channels.fill_(channels)
+        elif int(self.num_channels) != channels:
+            raise CalibrationError(
+                f"{self.layer_name}: a calibration batch has {channels} channels along axis "
+                f"{self.channel_axis}, earlier ones had {int(self.num_channels)}. Feed batches "
+                "of the same layout (per-channel ranges cannot be merged across layouts)."
+            )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Per-channel statistics only get their shape from the first batch: adopt the shapes of a
+        # calibrated state dict so it loads into a fresh observer (as torch.ao's observers do).
+        for name, buf in self._buffers.items():
+            incoming = state_dict.get(prefix + name)
+            if buf is not None and incoming is not None and incoming.shape != buf.shape:
+                self._buffers[name] = torch.empty(
+                    incoming.shape, dtype=buf.dtype, device=buf.device
+                )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def observe(self, x: torch.Tensor) -> None:
         raise NotImplementedError  # abstract: every concrete observer overrides it

@@ -14,16 +14,17 @@ from qfuse.observers.base import Observer
 def kth_rank(percentile: float | Fraction, n: int) -> int:
     """1-based rank of the ``percentile``-th percentile of ``n`` values (nearest-rank method).
 
-    ``ceil(percentile / 100 * n)`` in exact rational arithmetic — in floats ``99.99 / 100 * 10000``
-    is 9999.000000000002 and would round up to the maximum — clamped to ``[1, n]``. This is
-    numpy's ``method="inverted_cdf"``: the smallest value whose empirical CDF reaches the
-    percentile, always one of the observed values.
+    ``ceil(percentile / 100 * n)`` clamped to ``[1, n]``: numpy's ``method="inverted_cdf"``, the
+    smallest value whose empirical CDF reaches the percentile, always an observed value. The
+    percentile is taken as written, in exact decimal arithmetic: in floats, 99.99 / 100 * 10000
+    is 9999.000000000002, and the binary float nearest 99.9 is a hair above it, so either would
+    round up to the maximum.
 
     Example:
-        >>> kth_rank(99.99, 10000), kth_rank(50, 5), kth_rank(0.0, 7)
-        (9999, 3, 1)
+        >>> kth_rank(99.99, 10000), kth_rank(99.9, 1000), kth_rank(50, 5), kth_rank(0.0, 7)
+        (9999, 999, 3, 1)
     """
-    return min(max(math.ceil(Fraction(percentile) * n / 100), 1), n)
+    return min(max(math.ceil(Fraction(str(percentile)) * n / 100), 1), n)
 
 
 class PercentileObserver(Observer):
@@ -42,8 +43,8 @@ class PercentileObserver(Observer):
     Batches are combined by the plain mean of their per-batch ranges. The max over batches
     would let the one batch with the largest tail set the range, which is the outlier
     sensitivity this observer exists to avoid; the mean estimates the percentile of a typical
-    batch and does not depend on batch order (the sums are kept in float64). With a batch of
-    fewer than ``100 / (100 - percentile)`` values the percentile is that batch's max.
+    batch and, summed in float64, does not depend on batch order beyond float64 rounding. With a
+    batch of fewer than ``100 / (100 - percentile)`` values the percentile is that batch's max.
 
     Args:
         percentile: in (0, 100]; 100 gives the mean of the per-batch min/max.
@@ -80,7 +81,7 @@ class PercentileObserver(Observer):
         else:
             hi = flat.kthvalue(kth_rank(self.percentile, n), dim=1).values
             # 100 - Fraction(p), not 100.0 - p: 100.0 - 99.99 is 0.010000000000005116.
-            lo = flat.kthvalue(kth_rank(100 - Fraction(self.percentile), n), dim=1).values
+            lo = flat.kthvalue(kth_rank(100 - Fraction(str(self.percentile)), n), dim=1).values
         if self.channel_axis is None:
             lo, hi = lo[0], hi[0]
         self.min_sum = self.min_sum + lo.double()
