@@ -9,6 +9,7 @@ the statistics into ``(scale float32, zero_point int32)`` with the conventions o
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ from qfuse.errors import CalibrationError
 from qfuse.primitives import INT8_MAX, INT8_MIN, choose_qparams
 
 
-class Observer(nn.Module):
+class Observer(nn.Module, metaclass=abc.ABCMeta):
     """Base class. Subclasses implement ``observe(x)`` and ``value_range()``.
 
     Args:
@@ -85,12 +86,13 @@ class Observer(nn.Module):
                 )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    @abc.abstractmethod
     def observe(self, x: torch.Tensor) -> None:
-        raise NotImplementedError  # abstract: every concrete observer overrides it
+        """Fold batch ``x`` (float32, detached, finite, non-empty) into the statistics."""
 
+    @abc.abstractmethod
     def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(min, max) the qparams must cover: scalars, or one entry per channel."""
-        raise NotImplementedError  # abstract: every concrete observer overrides it
 
     def _per_channel_view(self, x: torch.Tensor) -> torch.Tensor:
         """x as [channels, everything else]."""
