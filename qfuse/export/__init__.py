@@ -1,0 +1,10 @@
+"""Shipping converted models: ``save``/``load`` (safetensors), TorchScript, and torch.export.
+
+See ``docs/export.md`` for the file layout, the metadata schema and which format to pick.
+"""
+
+from qfuse.export.program import export_program
+from qfuse.export.safetensors import load, save
+from qfuse.export.torchscript import export_torchscript
+
+__all__ = ["export_program", "export_torchscript", "load", "save"]

@@ -1,0 +1,50 @@
+"""Checks shared by the exporters: the model is a converted qfuse model; two outputs are equal."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from qfuse.errors import QFuseError
+from qfuse.state import STATE_ATTR, QFuseState
+
+
+def converted_state(model, caller: str) -> QFuseState:
+    """The ``QFuseState`` of a model returned by ``qfuse.convert`` or ``qfuse.load``."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None or state.stage != "converted":
+        got = "a prepared (not yet converted) model" if state else f"a {type(model).__name__}"
+        raise QFuseError(
+            f"{caller} expects a model returned by qfuse.convert or qfuse.load; got {got}. "
+            "Run qfuse.convert on the calibrated prepared model first."
+        )
+    return state
+
+
+def normalize_inputs(example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with a lone tensor wrapped in a tuple, as ``qfuse.prepare`` accepts."""
+    if example_inputs is None:
+        example_inputs = ()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    return example_inputs, dict(example_kwargs or {})
+
+
+def same_outputs(expected, actual) -> bool:
+    """True when both outputs hold the same tensors (``torch.equal``) in the same order.
+
+    Containers may differ in type (a traced model returns a ``dict`` where the eager one returned
+    a Hugging Face ``ModelOutput``); only the flattened tensor leaves are compared.
+    """
+    a, b = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
+                return False
+        elif x != y:
+            return False
+    return True

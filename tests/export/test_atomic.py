@@ -1,0 +1,52 @@
+"""qfuse.export.atomic.atomic_path: all or nothing on disk."""
+
+import doctest
+import os
+
+import pytest
+
+import qfuse.export.atomic as atomic
+from qfuse.export.atomic import atomic_path
+
+
+def test_success_moves_the_temp_file_onto_the_target(tmp_path):
+    target = tmp_path / "model.pt2"
+    with atomic_path(target) as tmp:
+        assert os.path.dirname(tmp) == str(tmp_path)  # same directory: os.replace is atomic
+        assert tmp.endswith(".pt2") and os.path.basename(tmp).startswith(".model.pt2.")
+        assert not os.path.exists(tmp)  # the writer creates it
+        with open(tmp, "wb") as f:
+            f.write(b"new")
+        assert not target.exists()  # nothing visible until the block ends
+    assert target.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["model.pt2"]
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_failure_midway_keeps_the_old_file_and_removes_the_temp(tmp_path, error):
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"old")
+    with pytest.raises(type(error)):
+        with atomic_path(target) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(b"half")
+            raise error
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_failure_before_anything_was_written(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "m.ts"):
+            raise RuntimeError("tracing failed")
+    assert not os.listdir(tmp_path)
+
+
+def test_missing_directory_is_the_writers_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        with atomic_path(tmp_path / "no" / "such" / "m.ts") as tmp:
+            open(tmp, "wb").close()
+
+
+def test_docstring_examples():
+    assert doctest.testmod(atomic).failed == 0
