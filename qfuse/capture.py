@@ -59,4 +59,54 @@ def capture(
             "no unsupported Python side effects), pass example inputs of the shapes you serve, or "
             "quantize the traceable submodule instead."
         ) from exc
-    return program.module()
+    gm = program.module()
+    follow_input_device(gm)
+    return gm
+
+
+def _example_device(gm: fx.GraphModule) -> torch.device | None:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            return val.device
+    return None
+
+
+def follow_input_device(gm: fx.GraphModule) -> int:
+    """Make device constants in the captured graph follow the first tensor input's device.
+
+    Export records the capture device in ops such as ``arange(..., device=cpu)``,
+    ``to(device=cpu)`` and ``_assert_tensor_metadata``; left alone, a model captured (and
+    converted) on CPU fails after ``.to("cuda")``. Every constant equal to the capture device is
+    replaced by ``input.device`` at run time. Returns how many arguments were rewritten.
+    """
+    device = _example_device(gm)
+    if device is None:
+        return 0
+    first_input = next(
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+    device_node = None
+    rewritten = 0
+
+    def swap(value):
+        nonlocal device_node, rewritten
+        if isinstance(value, torch.device) and value == device:
+            if device_node is None:
+                last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+                with gm.graph.inserting_after(last_placeholder):
+                    device_node = gm.graph.call_function(getattr, (first_input, "device"))
+            rewritten += 1
+            return device_node
+        return value
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node is device_node:
+            continue
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    if rewritten:
+        gm.recompile()
+    return rewritten

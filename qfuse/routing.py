@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from qfuse.errors import QFuseError
-from qfuse.state import STATE_ATTR
+from qfuse.state import get_state
 
 IMPLS = ("int8", "bf16")
 
@@ -126,7 +126,7 @@ class CostModel:
 
 def layer_shapes(prepared, tokens: int) -> dict[str, tuple[int, int, int]]:
     """(M, K, N) of every Linear chain of a prepared model for ``tokens`` rows of input."""
-    state = getattr(prepared, STATE_ATTR, None)
+    state = get_state(prepared)
     if state is None:
         raise QFuseError("qfuse.route expects a model returned by qfuse.prepare.")
     shapes = {}

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from qfuse.convert import convert
 from qfuse.errors import QFuseError
 from qfuse.observers.base import observers_disabled
-from qfuse.state import STATE_ATTR
+from qfuse.state import get_state
 
 
 def call(model, batch):
@@ -122,7 +122,7 @@ class SensitivityReport:
 
 
 def _check_prepared(prepared) -> None:
-    state = getattr(prepared, STATE_ATTR, None)
+    state = get_state(prepared)
     if state is None or state.stage != "prepared":
         raise QFuseError("qfuse.sensitivity expects a calibrated model returned by qfuse.prepare.")
 
@@ -155,7 +155,7 @@ def sensitivity(
     _check_prepared(prepared)
     if data is None and eval_fn is None:
         raise QFuseError("qfuse.sensitivity needs data (batches) or an eval_fn to measure with.")
-    state = getattr(prepared, STATE_ATTR)
+    state = get_state(prepared)
     batches = list(data) if data is not None else []
     with observers_disabled(prepared):
         reference = [call(prepared, b) for b in batches]

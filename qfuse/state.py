@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from qfuse.config import QConfig
 from qfuse.fusion.patterns import Chain, Skipped
 
-STATE_ATTR = "_qfuse_state"
+STATE_KEY = "qfuse_state"
 
 
 @dataclass
@@ -34,3 +34,16 @@ class QFuseState:
     folded_batchnorms: list[str] = field(default_factory=list)
     smoothquant: object | None = None  # qfuse.smoothquant.SmoothQuant when enabled
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
+
+
+def get_state(model) -> QFuseState | None:
+    """The qfuse record of a prepared/converted graph module, or None.
+
+    Kept in ``GraphModule.meta``, which (unlike plain attributes) survives ``copy.deepcopy``.
+    """
+    meta = getattr(model, "meta", None)
+    return meta.get(STATE_KEY) if isinstance(meta, dict) else None
+
+
+def set_state(model, state: QFuseState) -> None:
+    model.meta[STATE_KEY] = state

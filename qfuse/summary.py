@@ -8,7 +8,7 @@ from torch import fx
 
 from qfuse.errors import QFuseError
 from qfuse.ops.backend import resolve_backend
-from qfuse.state import STATE_ATTR
+from qfuse.state import get_state
 
 COLUMNS = (
     "name",
@@ -68,7 +68,7 @@ def summary(model: fx.GraphModule) -> Summary:
 
     Layers that stay float are listed too, with the reason.
     """
-    state = getattr(model, STATE_ATTR, None)
+    state = get_state(model)
     if state is None:
         raise QFuseError(
             "qfuse.summary expects a model returned by qfuse.prepare or qfuse.convert."

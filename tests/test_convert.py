@@ -4,6 +4,7 @@ from torch import nn
 
 import qfuse
 from qfuse.nn import QConv2d, QLinear
+from qfuse.state import get_state
 from tests.models import ConvNet, MLPBlock, randomize_batchnorm, sqnr_db
 
 
@@ -41,7 +42,7 @@ def test_convnet_folds_bn_and_stays_accurate():
     qmodel = quantize(model, x)
     assert sum(isinstance(m, QConv2d) for m in qmodel.modules()) == 2
     assert not any(isinstance(m, nn.BatchNorm2d) for m in qmodel.modules())
-    state = qmodel._qfuse_state
+    state = get_state(qmodel)
     assert len(state.folded_batchnorms) == 2
     with torch.no_grad():
         assert sqnr_db(model(x), qmodel(x)) > 25
@@ -119,7 +120,7 @@ def test_convert_does_not_modify_prepared_model():
     prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
     prepared(torch.randn(4, 32))
     qfuse.convert(prepared)
-    assert prepared._qfuse_state.stage == "prepared"
+    assert get_state(prepared).stage == "prepared"
     prepared(torch.randn(4, 32))  # still calibratable
 
 
@@ -143,3 +144,11 @@ def test_keep_float_with_unknown_name_is_an_error():
     prepared(torch.randn(2, 32))
     with pytest.raises(qfuse.QFuseError, match="not fusible chains"):
         qfuse.convert(prepared, keep_float={"nope": "x"})
+
+
+def test_deepcopy_keeps_the_qfuse_state():
+    import copy
+
+    qmodel = quantize(MLPBlock().eval(), torch.randn(4, 32))
+    clone = copy.deepcopy(qmodel)
+    assert [r["name"] for r in qfuse.summary(clone).rows] == ["up", "down"]

@@ -56,3 +56,14 @@ def test_int8_embeddings_stay_close_to_fp32(minilm, converted):
         ref, out = embed(bert, batch), embed(converted, batch)
     cos = torch.nn.functional.cosine_similarity(ref, out, dim=-1)
     assert cos.min().item() > 0.95
+
+
+def test_converted_on_cpu_follows_the_inputs_to_another_device(minilm, converted):
+    """Export bakes the capture device into arange/to/assert ops; capture rewrites them to follow
+    the input, so .to("cuda") works. The meta device checks that on a CPU-only machine."""
+    import copy
+
+    _, batch = minilm
+    moved = copy.deepcopy(converted).to("meta")
+    out = moved(**{k: v.to("meta") for k, v in batch.items()})
+    assert out["last_hidden_state"].device.type == "meta"

@@ -6,12 +6,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from qfuse.errors import QFuseError
-from qfuse.state import STATE_ATTR, QFuseState
+from qfuse.state import QFuseState, get_state
 
 
 def converted_state(model, caller: str) -> QFuseState:
     """The ``QFuseState`` of a model returned by ``qfuse.convert`` or ``qfuse.load``."""
-    state = getattr(model, STATE_ATTR, None)
+    state = get_state(model)
     if state is None or state.stage != "converted":
         got = "a prepared (not yet converted) model" if state else f"a {type(model).__name__}"
         raise QFuseError(

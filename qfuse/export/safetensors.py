@@ -46,7 +46,7 @@ from qfuse.export.tensors import (
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.fusion.rewrite import fuse_chains, module_paths
-from qfuse.state import STATE_ATTR, QFuseState
+from qfuse.state import QFuseState, set_state
 from qfuse.summary import summary
 
 
@@ -143,7 +143,7 @@ def load(
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.
     layers = [layer_record(entry) for entry in meta["layers"]]
     state = QFuseState(config, "converted", chains, skipped, {}, layers, folded_batchnorms=folded)
-    setattr(gm, STATE_ATTR, state)
+    set_state(gm, state)
     return gm
 
 

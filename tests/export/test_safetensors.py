@@ -14,6 +14,7 @@ import qfuse.export.safetensors as qsafetensors
 from qfuse.export.format import FORMAT_VERSION, METADATA_KEY
 from qfuse.export.tensors import graph_tensors
 from qfuse.nn import QLinear
+from qfuse.state import get_state
 from tests.export.cases import (
     CONFIGS,
     MINILM_CONFIGS,
@@ -59,7 +60,7 @@ def test_round_trip_is_bit_identical(make_case, tmp_path, name, config):
     loaded = _load(case, path)
     assert_same(case.expected(), expected_leaves(loaded, case.runs()))
     assert qfuse.summary(loaded).rows == qfuse.summary(case.qmodel).rows
-    assert loaded._qfuse_state.config == config
+    assert get_state(loaded).config == config
 
 
 @pytest.mark.parametrize("config", MINILM_CONFIGS)
