@@ -60,6 +60,9 @@ class QConfig:
         (PerChannel(axis=0), PerTensor())
         >>> qfuse.QConfig.from_dict(cfg.to_dict()) == cfg
         True
+        >>> fp8 = qfuse.QConfig.fp8_dynamic()
+        >>> fp8.dtype, fp8.is_dynamic, qfuse.QConfig.from_dict(fp8.to_dict()) == fp8
+        (torch.float8_e4m3fn, True, True)
     """
 
     dtype: torch.dtype = torch.int8
@@ -89,6 +92,10 @@ class QConfig:
             )
         if self.dtype == torch.float8_e4m3fn and not self.symmetric:
             raise UnsupportedError("fp8 quantization is symmetric only: set symmetric=True.")
+        if self.is_dynamic and not self.symmetric:
+            raise UnsupportedError(
+                "dynamic (PerToken) activation quantization is symmetric only: set symmetric=True."
+            )
 
     @property
     def is_dynamic(self) -> bool:
@@ -104,6 +111,22 @@ class QConfig:
     def int8_static_asymmetric(cls) -> QConfig:
         """As ``int8_static`` but activations get a zero point (better after ReLU/GELU)."""
         return cls(symmetric=False)
+
+    @classmethod
+    def int8_dynamic(cls) -> QConfig:
+        """Symmetric per-channel int8 weights, int8 activations with per-token scales computed at
+        run time (no calibration-dependent activation scale; a quantize pass per layer)."""
+        return cls(activation_granularity=PerToken())
+
+    @classmethod
+    def fp8_static(cls) -> QConfig:
+        """float8 e4m3 weights (per-channel scale) and activations (static per-tensor scale)."""
+        return cls(dtype=torch.float8_e4m3fn)
+
+    @classmethod
+    def fp8_dynamic(cls) -> QConfig:
+        """float8 e4m3 weights (per-channel) and activations with per-token run-time scales."""
+        return cls(dtype=torch.float8_e4m3fn, activation_granularity=PerToken())
 
     # Dict form ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:

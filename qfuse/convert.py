@@ -14,17 +14,17 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
-from qfuse.errors import QFuseError
+from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
 from qfuse.primitives import choose_qparams, inverse
 from qfuse.smoothquant import factors, smoothed_qparams
-from qfuse.state import STATE_ATTR, LayerRecord, QFuseState
+from qfuse.state import LayerRecord, QFuseState, get_state, set_state
 
 
 def _state(model) -> QFuseState:
-    state = getattr(model, STATE_ATTR, None)
+    state = get_state(model)
     if state is None or state.stage != "prepared":
         raise QFuseError(
             "qfuse.convert expects the model returned by qfuse.prepare (and calibrated); "
@@ -104,23 +104,47 @@ def _handoff_readers(chain, readers_of, nodes, observers, plan) -> list[Chain]:
 
 def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_dtype):
     scale, zp = plan.x_qparams[chain.name]
+    out_scale, out_zp = out_qparams if out_qparams else (None, None)
+    prologue = plan.prologue.get(chain.name)
+    fp8 = config.dtype == torch.float8_e4m3fn
+    if (fp8 or config.is_dynamic) and chain.kind != "linear":
+        raise UnsupportedError(
+            f"layer {chain.name}: Conv2d is quantized with static int8 only; use "
+            "QConfig.int8_static() for models with fused convolutions."
+        )
+    if fp8:
+        # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
+        to_fp8 = 127.5 / 448.0
+        scale, out_scale = scale * to_fp8, out_scale * to_fp8 if out_scale is not None else None
+        prologue = prologue / to_fp8 if prologue is not None else None
+        out_dtype = torch.float8_e4m3fn if out_dtype == torch.int8 else out_dtype
+    if config.is_dynamic:
+        if prologue is not None:
+            raise UnsupportedError(
+                f"layer {chain.name}: SmoothQuant's prologue vector needs a static activation "
+                "scale; use a static QConfig or let SmoothQuant fold into the producer."
+            )
+        # Per-token scales need the whole row, so chains hand over float32 (plan weights are
+        # float32) and each layer quantizes its input on entry.
+        scale, zp, input_quantized, out_scale, out_zp = None, None, False, None, None
+        out_dtype = torch.float32 if out_dtype == torch.int8 else out_dtype
     common = dict(
         x_scale=scale,
         x_zero_point=zp,
         per_channel=config.weight_granularity.__class__.__name__ == "PerChannel",
         activation=chain.activation,
         input_quantized=input_quantized,
-        out_scale=out_qparams[0] if out_qparams else None,
-        out_zero_point=out_qparams[1] if out_qparams else None,
+        out_scale=out_scale,
+        out_zero_point=out_zp,
         out_dtype=out_dtype,
     )
     weight, bias = plan.weights[chain.name], plan.biases[chain.name]
     if chain.kind == "linear":
-        module = QLinear.from_float(weight, bias, **common)
+        module = QLinear.from_float(weight, bias, dtype=config.dtype, **common)
     else:
         module = QConv2d.from_float(weight, bias, **chain.conv, **common)
-    if chain.name in plan.prologue:
-        module.x_inv_scale = plan.prologue[chain.name].to(module.weight.device)
+    if prologue is not None:
+        module.x_inv_scale = prologue.to(module.weight.device)
     return module
 
 
@@ -147,6 +171,11 @@ def convert(
     with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
         warnings.simplefilter("ignore", FutureWarning)
         gm = prepared if inplace else copy.deepcopy(prepared)
+    if not inplace:
+        # Inference artefact: float parameters that remain (LayerNorm, embeddings) need no grad,
+        # and torch.compile(fullgraph=True) of the fused ops (no autograd formula) requires that.
+        # In place, the parameters are shared with the user's float model: leave them alone.
+        gm.requires_grad_(False)
     state = copy.copy(state) if not inplace else state
     nodes = {n.name: n for n in gm.graph.nodes}
     observers = state.observers
@@ -196,5 +225,5 @@ def convert(
     ]
     state.skipped = kept + list(state.skipped)
     state.stage, state.layers, state.observers = "converted", layers, {}
-    setattr(gm, STATE_ATTR, state)
+    set_state(gm, state)
     return gm

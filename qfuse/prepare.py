@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 
-import torch
 from torch import fx, nn
 
 from qfuse.capture import capture
@@ -16,17 +15,14 @@ from qfuse.fusion.patterns import find_chains
 from qfuse.observers import make_observer
 from qfuse.smoothquant import SmoothQuant
 from qfuse.smoothquant import select as smoothquant_select
-from qfuse.state import STATE_ATTR, QFuseState
+from qfuse.state import QFuseState, set_state
 
 
 def _check_supported(config) -> None:
     if not isinstance(config, QConfig):
         raise UnsupportedError(f"config must be a qfuse.QConfig, got {type(config).__name__}.")
-    if config.dtype != torch.int8 or config.is_dynamic:
-        raise UnsupportedError(
-            "qfuse.prepare implements static int8 (QConfig.int8_static / int8_static_asymmetric) "
-            "so far; fp8 and dynamic activation quantization are not implemented yet."
-        )
+    # Every QConfig that validates is implemented for Linear chains (int8/fp8, static/dynamic);
+    # Conv2d chains are static int8 only, which convert checks per layer.
 
 
 def _observer_name(node_name: str) -> str:
@@ -110,5 +106,5 @@ def prepare(
     gm.recompile()
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
     state.smoothquant, state.smoothed = smoothquant, smoothed
-    setattr(gm, STATE_ATTR, state)
+    set_state(gm, state)
     return gm

@@ -13,7 +13,10 @@ import triton
 import triton.language as tl
 
 # Adding and subtracting 1.5 * 2**23 rounds a float32 to an integer, ties to even, for |x| < 2**22.
-ROUND_MAGIC = 12582912.0
+# A tl.constexpr: compiled Triton (3.6 and later) refuses plain globals inside @jit functions, the
+# interpreter does not — the spine's first GPU run failed to compile on exactly this.
+ROUND_MAGIC = tl.constexpr(12582912.0)
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 # Activation codes passed to kernels as the ACT constexpr. "gelu" is the erf form
 # (torch.nn.GELU()), "gelu_tanh" the tanh form (torch.nn.GELU(approximate="tanh")).
@@ -48,6 +51,35 @@ def quantize_int8(x, inv_scale, zero_point):
     v = round_half_even(v) + zero_point
     v = tl.minimum(tl.maximum(v, -128.0), 127.0)
     return v.to(tl.int8)
+
+
+@triton.jit
+def quantize_fp8(x, inv_scale, EXACT: tl.constexpr):
+    """float32 -> float8 e4m3fn: clamp(x * inv_scale, -448, 448), round to nearest even.
+
+    Clamping first gives saturation (torch's own cast would turn overflow into NaN). ``EXACT``
+    rounds with integer ops before the cast, for the interpreter (see ``round_to_float_grid``).
+    """
+    v = x * inv_scale
+    v = tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    if EXACT:
+        return fp8_from_grid(round_to_float_grid(v, 3, -6))
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def fp8_from_grid(v):
+    """e4m3fn from a float32 already on the e4m3 grid within +-448, by integer ops alone.
+
+    The interpreter's own cast loses the sign of zero besides rounding wrongly (triton #8322).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(v)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)  # rebias 127 -> 7
+    subnormal = (a * 512.0).to(tl.int32)  # below 2**-6: multiples of 2**-9
+    code = tl.where(a < 0.015625, subnormal, normal) | sign
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -117,3 +149,28 @@ def activation(x, ACT: tl.constexpr):
     elif ACT == 4:
         x = silu(x)
     return x
+
+
+@triton.jit
+def round_to_float_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round float32 ``x`` to the nearest (ties to even) value of a narrower float format.
+
+    The format has ``MANT_BITS`` stored mantissa bits and smallest normal exponent ``MIN_EXP``
+    (bf16: 7, -126; fp16: 10, -14; fp8 e4m3: 3, -6). The result is exactly representable, so the
+    following cast is exact in any rounding mode. The Triton interpreter's casts truncate
+    (triton #8322 for fp8; bf16 showed a 1-ulp difference on half of the values, measured here),
+    while the GPU's ``cvt.rn`` rounds to nearest even: interpreted kernels call this first, compiled
+    ones do not need to. Range limits (overflow) are the caller's: clamp before casting.
+    """
+    DROP: tl.constexpr = 23 - MANT_BITS
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)
+    normal = (bits & ~((1 << DROP) - 1)).to(tl.float32, bitcast=True)
+    # Below the smallest normal the grid spacing is fixed at 2**(MIN_EXP - MANT_BITS): adding and
+    # subtracting 1.5 * 2**(MIN_EXP - MANT_BITS + 23) rounds to it, ties to even.
+    # Rounded on |x| with the sign put back, so that an underflow keeps it (-0.0, as a cast does;
+    # times -1, since Triton's unary minus is 0 - x, which gives +0.0).
+    magic = 1.5 * 2.0 ** (MIN_EXP - MANT_BITS + 23)
+    subnormal = (tl.abs(x) + magic) - magic
+    subnormal = tl.where(x.to(tl.int32, bitcast=True) < 0, subnormal * -1.0, subnormal)
+    return tl.where(tl.abs(x) < 2.0**MIN_EXP, subnormal, normal)

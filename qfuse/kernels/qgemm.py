@@ -1,13 +1,21 @@
-"""Fused quantized GEMM: int8 x int8 -> int32 with the whole epilogue in registers.
+"""Fused quantized GEMM, int8 or fp8 e4m3, with the whole epilogue in registers.
 
-    out[M, N] = requant?( (+ residual)( act( (x_q @ W_q^T - zp_x * colsum(W)) * scale[n] + bias[n] ) ) )
+    acc[M, N] = x_q @ W_q^T                       (int8: int32 accumulate; fp8: float32)
+    y = (acc - zp_x * colsum(W)) * scale[n] [* x_scale[m]] + bias[n]
+    out = requant?( (+ residual)( act(y) ) )      (int8 / fp8 with a static scale, or float)
 
-x is either float (quantized in the prologue with a static per-tensor scale: one fewer pass over
-HBM than a separate quantize kernel) or already int8 (handed over by the previous fused layer).
-W is [N, K] int8 with one float32 scale per output channel, folded with the activation scale into
-``scale[n] = s_x * s_w[n]`` at convert time. The output is int8 (requantized with the next
-layer's scale) or float (the dtype of ``out``).
+x is float (quantized in the prologue with a static per-tensor scale: no extra pass over HBM),
+or already quantized — handed over by the previous fused layer, or by ``quantize.quantize`` with
+per-token scales ``x_scale[m]`` (dynamic). W is [N, K] int8 or fp8 with one float32 scale per
+output channel, folded with a static activation scale into ``scale[n] = s_x * s_w[n]``.
+
+Small M is memory-bound on W (4096x14336 int8 is 59 MB, 15 us at 4 TB/s), so there the tile grid
+is split along K (``SPLIT_K``) until it fills the GPU; partial accumulators go to a workspace and
+the last program of each tile (an atomic counter) reduces them in a fixed order and runs the
+epilogue, so results stay deterministic and int8 outputs stay bit-exact.
 """
+
+from __future__ import annotations
 
 import os
 
@@ -18,53 +26,98 @@ import triton.language as tl
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     activation,
+    quantize_fp8,
     quantize_int8,
+    round_to_float_grid,
     tile_indices,
 )
+from qfuse.kernels.tuning import GemmConfig, pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# Activations whose epilogue costs about nothing; the others get register-light schedules.
+_LIGHT_ACTS = ("none", "relu")
+
+# Output quantization codes (OUT_Q constexpr).
+OUT_FLOAT, OUT_INT8, OUT_FP8 = 0, 1, 2
+
+# (stored mantissa bits, smallest normal exponent) of the narrow float outputs; see
+# common.round_to_float_grid for why the interpreter needs them.
+_FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
 
 @triton.jit
+def _epilogue(
+    acc, offs_m, offs_n, M, N,
+    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+    out_zp_ptr, out_ptr,
+    stride_rm, stride_rn, stride_om, stride_on,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Zero-point correction, scales, bias, activation, residual, requant — reference order."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if HAS_X_ZP:
+        wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
+        acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
+    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc.to(tl.float32) * scale[None, :]
+    if X_ROW_SCALE:
+        y = y * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    y = activation(y, ACT)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if OUT_Q == 1:
+        out_zp = 0.0
+        if HAS_OUT_ZP:
+            out_zp = tl.load(out_zp_ptr).to(tl.float32)
+        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
+    elif OUT_Q == 2:
+        tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
+    else:
+        if OUT_MANT > 0:
+            y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _qlinear_kernel(
     # pointers
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    bias_ptr,
-    x_inv_scale_ptr,
-    x_zp_ptr,
-    wsum_ptr,
-    res_ptr,
-    out_inv_scale_ptr,
-    out_zp_ptr,
-    out_ptr,
+    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
     # dimensions
-    M,
-    N,
-    K,
+    M, N, K,
     # strides
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    stride_rm,
-    stride_rn,
-    stride_om,
-    stride_on,
-    # meta-parameters
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    # meta-parameters: numerics
+    FP8: tl.constexpr,
     X_QUANTIZED: tl.constexpr,
+    X_INV_VEC: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr,
     HAS_X_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    OUT_INT8: tl.constexpr,
+    OUT_Q: tl.constexpr,
     HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr,
+    OUT_EMIN: tl.constexpr,
+    EXACT: tl.constexpr,
+    # meta-parameters: schedule
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = tile_indices(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -73,63 +126,176 @@ def _qlinear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
 
-    x_zp = 0.0
-    if HAS_X_ZP:
-        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    # This program's K range: all of K, or its share of the K tiles under split-K.
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * per_split
+        k_tiles = tl.minimum(k_tiles, k_first + per_split)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk
+    w_ptrs = w_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn
+
     if not X_QUANTIZED:
-        x_inv_scale = tl.load(x_inv_scale_ptr)
+        if not X_INV_VEC:
+            x_inv_scale = tl.load(x_inv_scale_ptr)
+        x_zp = 0.0
+        if HAS_X_ZP:
+            x_zp = tl.load(x_zp_ptr).to(tl.float32)
 
-    # ---- main loop: int8 tensor-core MMA, int32 accumulator ----
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    # ---- main loop: int8 / fp8 tensor-core MMA ----
+    if FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(k_first, k_tiles):
         k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0)
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         if not X_QUANTIZED:
-            a = quantize_int8(a.to(tl.float32), x_inv_scale, x_zp)
-        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            if X_INV_VEC:  # per-input-channel (SmoothQuant prologue) inverse scales
+                inv_ptrs = x_inv_scale_ptr + k * BLOCK_K + offs_k
+                x_inv_scale = tl.load(inv_ptrs, mask=offs_k < k_left, other=0.0)[None, :]
+            if FP8:
+                a = quantize_fp8(a.to(tl.float32), x_inv_scale, EXACT)
+            else:
+                a = quantize_int8(a.to(tl.float32), x_inv_scale, x_zp)
+        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    # ---- epilogue: zero-point correction, scales, bias, activation, residual, requant ----
-    if HAS_X_ZP:
-        wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
-        acc = acc - x_zp.to(tl.int32) * wsum[None, :]
-    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    y = acc.to(tl.float32) * scale[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
-        y = y + bias[None, :]
-    y = activation(y, ACT)
-    mask = mask_m[:, None] & mask_n[None, :]
-    if HAS_RESIDUAL:
-        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
-        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if OUT_INT8:
-        out_zp = 0.0
-        if HAS_OUT_ZP:
-            out_zp = tl.load(out_zp_ptr).to(tl.float32)
-        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
-    else:
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    # ---- split-K: park the partial sum; the tile's last program reduces and goes on ----
+    is_last = True
+    if SPLIT_K > 1:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
+        # The barrier makes every thread's partial part of this program's release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        is_last = arrived == SPLIT_K - 1
+        if is_last:
+            acc = tl.zeros_like(acc)
+            for s in range(0, SPLIT_K):  # fixed order: deterministic float sums too
+                part = ws_ptr + s * M * N + tile
+                acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next launch
+    if is_last:
+        if EPI_SPLIT == 1:
+            _epilogue(
+                acc, offs_m, offs_n, M, N,
+                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+                out_zp_ptr, out_ptr,
+                stride_rm, stride_rn, stride_om, stride_on,
+                X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+                OUT_MANT, OUT_EMIN, EXACT,
+            )
+        else:
+            # Two column halves, one after the other: every elementwise op of the epilogue
+            # materializes a full tile of registers, so halving the tile halves the live set.
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
+                                              (0, 2, 1)))
+            offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            _epilogue(
+                left, offs_m, offs_h, M, N,
+                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+                out_zp_ptr, out_ptr,
+                stride_rm, stride_rn, stride_om, stride_on,
+                X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+                OUT_MANT, OUT_EMIN, EXACT,
+            )
+            _epilogue(
+                right, offs_m, offs_h + BLOCK_N // 2, M, N,
+                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+                out_zp_ptr, out_ptr,
+                stride_rm, stride_rn, stride_om, stride_on,
+                X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+                OUT_MANT, OUT_EMIN, EXACT,
+            )
 
 
-def _pick_config(M: int, K: int, x_bytes: int) -> dict:
-    """Block shapes by M bucket (the interpreter wants few, large programs)."""
-    if INTERPRETED:
-        block_m = max(16, min(64, triton.next_power_of_2(M)))
-        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=1)
-    # A float x tile costs x_bytes per element in shared memory: keep a stage under ~48 KB.
-    block_k = 128 if x_bytes == 1 else 64
-    if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=4)
-    if M <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+# One self-resetting counter per output tile and device (split-K); 1 MiB of int32 covers every
+# grid used here (at most ~ 16k tiles). Launches on one device are stream-ordered in qfuse.
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, tiles: int) -> torch.Tensor:
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < tiles:
+        locks = torch.zeros(max(tiles, 1 << 18), device=device, dtype=torch.int32)
+        _LOCKS[device] = locks
+    return locks
+
+
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    x_inv_scale: torch.Tensor | None,
+    x_zero_point: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out_inv_scale: torch.Tensor | None,
+    out_zero_point: torch.Tensor | None,
+    act: str,
+    out: torch.Tensor,
+    cfg: GemmConfig,
+) -> torch.Tensor:
+    """Launch ``_qlinear_kernel`` once with schedule ``cfg`` into ``out`` [M, N]."""
+    M, K = x.shape
+    N = weight.shape[0]
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)  # ceil; triton.cdiv costs ~6 us here
+    ws = locks = scale
+    if cfg.split_k > 1:
+        acc_dtype = torch.float32 if fp8 else torch.int32
+        ws = torch.empty((cfg.split_k, M, N), device=x.device, dtype=acc_dtype)
+        locks = _locks(x.device, tiles)
+    out_q = {torch.int8: OUT_INT8, torch.float8_e4m3fn: OUT_FP8}.get(out.dtype, OUT_FLOAT)
+    grid_bits = _FLOAT_GRIDS.get(out.dtype, (0, 0)) if INTERPRETED else (0, 0)
+    res = residual if residual is not None else out
+    dummy = scale
+    _qlinear_kernel[(tiles, cfg.split_k)](
+        x, weight, scale,
+        x_scale if x_scale is not None else dummy,
+        bias if bias is not None else dummy,
+        x_inv_scale if x_inv_scale is not None else dummy,
+        x_zero_point if x_zero_point is not None else dummy,
+        weight_sum if weight_sum is not None else dummy,
+        res,
+        out_inv_scale if out_inv_scale is not None else dummy,
+        out_zero_point if out_zero_point is not None else dummy,
+        out, ws, locks,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        res.stride(0), res.stride(1), out.stride(0), out.stride(1),
+        FP8=fp8,
+        X_QUANTIZED=not x.is_floating_point() or x.dtype == torch.float8_e4m3fn,
+        X_INV_VEC=x_inv_scale is not None and x_inv_scale.numel() > 1,
+        X_ROW_SCALE=x_scale is not None,
+        HAS_X_ZP=x_zero_point is not None,
+        HAS_BIAS=bias is not None,
+        ACT=ACTIVATION_CODES[act],
+        HAS_RESIDUAL=residual is not None,
+        OUT_Q=out_q,
+        HAS_OUT_ZP=out_zero_point is not None,
+        OUT_MANT=grid_bits[0],
+        OUT_EMIN=grid_bits[1],
+        EXACT=INTERPRETED,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        SPLIT_K=cfg.split_k,
+        EPI_SPLIT=cfg.epi_split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=False,
+    )
+    return out
 
 
 def qlinear(
@@ -145,48 +311,38 @@ def qlinear(
     out_zero_point: torch.Tensor | None,
     act: str,
     out_dtype: torch.dtype,
+    x_scale: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """Launch ``_qlinear_kernel`` on 2-D ``x`` [M, K] and ``weight`` [N, K]; returns [M, N]."""
+    """Fused quantized linear on 2-D ``x`` [M, K] and ``weight`` [N, K]; returns [M, N].
+
+    - ``x`` float with ``x_inv_scale``: static quantization (in the prologue, or by a separate
+      pass when the schedule says that is faster — same numbers either way); ``x_inv_scale`` is
+      a scalar or one value per input channel (SmoothQuant's prologue vector).
+    - ``x`` float without ``x_inv_scale``: dynamic per-token quantization (symmetric).
+    - ``x`` int8/fp8: already quantized; ``x_scale`` [M] holds its per-token scales if dynamic.
+    ``config`` pins a schedule (tests, tuning); otherwise ``tuning.pick_config`` chooses one.
+    """
+    from qfuse.kernels.quantize import quantize
+
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0:
         return out
-    cfg = _pick_config(M, K, x.element_size())
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    res = residual if residual is not None else out
-    dummy = scale
-    _qlinear_kernel[grid](
-        x,
-        weight,
-        scale,
-        bias if bias is not None else dummy,
-        x_inv_scale if x_inv_scale is not None else dummy,
-        x_zero_point if x_zero_point is not None else dummy,
-        weight_sum if weight_sum is not None else dummy,
-        res,
-        out_inv_scale if out_inv_scale is not None else dummy,
-        out_zero_point if out_zero_point is not None else dummy,
-        out,
-        M,
-        N,
-        K,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        res.stride(0),
-        res.stride(1),
-        out.stride(0),
-        out.stride(1),
-        X_QUANTIZED=x.dtype == torch.int8,
-        HAS_X_ZP=x_zero_point is not None,
-        HAS_BIAS=bias is not None,
-        ACT=ACTIVATION_CODES[act],
-        HAS_RESIDUAL=residual is not None,
-        OUT_INT8=out_dtype == torch.int8,
-        HAS_OUT_ZP=out_zero_point is not None,
-        enable_fp_fusion=False,
-        **cfg,
-    )
-    return out
+    qdtype = weight.dtype
+    x_float = x.is_floating_point() and x.dtype != torch.float8_e4m3fn
+    if x_float and x_inv_scale is None:  # dynamic: a row's scale needs the whole row first
+        x, x_scale = quantize(x, qdtype, None, None, INTERPRETED)
+        x_float = False
+    kind = f"{'fp8' if qdtype == torch.float8_e4m3fn else 'int8'}-{'xf' if x_float else 'xq'}"
+
+    def run(cfg: GemmConfig) -> torch.Tensor:
+        xq = x
+        if x_float and cfg.prequantize:
+            xq, _ = quantize(x, qdtype, x_inv_scale, x_zero_point, INTERPRETED)
+        return launch(xq, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
+                      residual, out_inv_scale, out_zero_point, act, out, cfg)
+
+    heavy = act not in _LIGHT_ACTS
+    return run(config or pick_config(M, N, K, kind, x.device, INTERPRETED, run, heavy))

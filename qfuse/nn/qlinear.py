@@ -1,17 +1,44 @@
-"""QLinear: a fused int8 Linear (+bias, activation, residual, requant) as a module."""
+"""QLinear: a fused int8 / fp8 Linear (+bias, activation, residual, requant) as a module."""
 
 from __future__ import annotations
 
 import torch
 
+from qfuse.errors import UnsupportedError
 from qfuse.nn.base import QuantizedModule
+from qfuse.ops.qlinear import qlinear_call
+from qfuse.ops.reference import FP8, FP8_MAX, SCALE_EPS, quantize_fp8
 from qfuse.primitives import quantize_weight
 
 
-class QLinear(QuantizedModule):
-    """``y = [requant](act(x @ W^T * scale + bias) [+ residual])`` with int8 W, via ``qfuse::qlinear``.
+def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool):
+    """float8 e4m3 weight with a float32 scale per output channel: ``amax / 448``.
 
-    Build with ``QLinear.from_float``; the forward is one call into the custom op.
+    Same shape contract as ``primitives.quantize_weight`` (one scale entry per output channel).
+    """
+    w = weight.detach().float().reshape(weight.shape[0], -1)
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
+    scale = torch.clamp(amax / FP8_MAX, min=SCALE_EPS).to(torch.float32)
+    q = quantize_fp8(w, torch.reciprocal(scale)[:, None]).reshape(weight.shape)
+    return q, scale
+
+
+class QLinear(QuantizedModule):
+    """``y = [requant](act(x @ W^T * scale + bias) [+ residual])`` with int8 or fp8 W, via
+    ``qfuse::qlinear``.
+
+    Build with ``QLinear.from_float``; the forward is one call into the custom op. Without an
+    ``x_scale`` the activation is quantized per token at run time (dynamic).
+
+    Example:
+        >>> import torch
+        >>> w, x = torch.randn(16, 32), torch.randn(4, 32)
+        >>> lin = QLinear.from_float(w, None, x_scale=None, x_zero_point=None,
+        ...                          dtype=torch.float8_e4m3fn, activation="relu")
+        >>> y = lin(x)
+        >>> err = (y - torch.relu(x @ w.t())).norm() / torch.relu(x @ w.t()).norm()
+        >>> lin.weight.dtype, lin.dynamic, bool(err < 0.1)
+        (torch.float8_e4m3fn, True, True)
     """
 
     BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", "weight_sum", "x_scale",
@@ -37,8 +64,9 @@ class QLinear(QuantizedModule):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         *,
-        x_scale: torch.Tensor,
+        x_scale: torch.Tensor | None,
         x_zero_point: torch.Tensor | None,
+        dtype: torch.dtype = torch.int8,
         per_channel: bool = True,
         activation: str = "none",
         input_quantized: bool = False,
@@ -46,39 +74,74 @@ class QLinear(QuantizedModule):
         out_zero_point: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> QLinear:
-        """Quantize ``weight`` (symmetric int8) and fold ``x_scale`` into the per-channel scale.
+        """Quantize ``weight`` (symmetric ``dtype``: int8 or float8_e4m3fn) and fold a static
+        ``x_scale`` into the per-channel scale; ``x_scale=None`` quantizes activations per token
+        at run time (dynamic; no zero point).
 
-        ``out_dtype=torch.int8`` requantizes the output with ``out_scale``/``out_zero_point``.
+        ``out_dtype`` int8 / float8_e4m3fn requantizes the output with ``out_scale`` (and
+        ``out_zero_point`` for int8) — the next layer's static input scale.
         """
+        if dtype not in (torch.int8, FP8):
+            raise UnsupportedError(f"QLinear dtype {dtype}: use torch.int8 or float8_e4m3fn.")
+        if x_scale is None and (x_zero_point is not None or input_quantized):
+            raise UnsupportedError(
+                "QLinear: a dynamic (x_scale=None) layer takes float input and no zero point."
+            )
         mod = cls(weight.shape[1], weight.shape[0])
-        q, w_scale = quantize_weight(weight, per_channel)
+        if dtype == FP8:
+            q, w_scale = quantize_weight_fp8(weight, per_channel)
+        else:
+            q, w_scale = quantize_weight(weight, per_channel)
         mod.weight = q
         mod.weight_scale = w_scale
         mod._set_qparams("x", x_scale, x_zero_point)
-        mod.scale = (mod.x_scale * w_scale).to(torch.float32)
+        mod.scale = (mod.x_scale * w_scale if x_scale is not None else w_scale).to(torch.float32)
         mod.bias = bias.detach().float().clone() if bias is not None else None
         if mod.x_zero_point is not None:
             mod.weight_sum = q.sum(dim=1, dtype=torch.int32)
         mod.activation = activation
         mod._input_quantized = input_quantized
         mod.out_dtype = out_dtype
-        if out_dtype == torch.int8:
+        if out_dtype in (torch.int8, FP8):
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
 
     def _post_load(self) -> None:
         self.out_features, self.in_features = self.weight.shape
 
+    def _apply(self, fn, recurse=True):
+        # model.half() / .to(torch.bfloat16) apply to every floating buffer — float8 weights too,
+        # which the base class then turns into float32 — and a round trip through fp16 rounds
+        # float32 scales and biases. So a buffer whose dtype changed, or every buffer when ``fn``
+        # casts floats (a float32 probe changes dtype), is restored from before: only the device
+        # may change.
+        cast = fn(torch.zeros((), dtype=torch.float32)).dtype != torch.float32
+        before = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if cast or new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    @property
+    def dynamic(self) -> bool:
+        """True when activations are quantized per token at run time."""
+        return self.x_inv_scale is None and not self._input_quantized
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.qfuse.qlinear(
+        return qlinear_call(
             x, self.weight, self.scale, self.bias, self.x_inv_scale, self.x_zero_point,
             self.weight_sum, residual, self.out_inv_scale, self.out_zero_point, self.activation,
             self.out_dtype,
         )
 
     def extra_repr(self) -> str:
-        src = "int8" if self._input_quantized else "float"
+        qname = "fp8" if self.weight.dtype == FP8 else "int8"
+        src = qname if self._input_quantized else "float"
+        if self.dynamic:
+            src += ", dynamic per-token"
         return (
-            f"in={self.in_features}, out={self.out_features}, act={self.activation}, "
+            f"{qname}, in={self.in_features}, out={self.out_features}, act={self.activation}, "
             f"input={src}, output={self.out_dtype}"
         )

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 ROUND_MAGIC = 12582912.0
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_EPS = torch.finfo(torch.float32).eps
 
 
 def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, zero_point) -> torch.Tensor:
@@ -19,6 +22,28 @@ def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, zero_point) -> torch
     v = torch.clamp(x * inv_scale, -256.0, 256.0)
     v = torch.round(v) + zero_point
     return torch.clamp(v, -128.0, 127.0).to(torch.int8)
+
+
+def quantize_fp8(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """float32 -> float8 e4m3fn: clamp(x * inv_scale, -448, 448), round to nearest even.
+
+    The clamp saturates (torch's own cast turns overflow into NaN); kernels do the same.
+    """
+    return torch.clamp(x * inv_scale, -FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-row quantization: ``(q, scale[M])``, twin of ``kernels.quantize``.
+
+    ``scale = max(amax / qmax, eps)`` with qmax 127.5 for int8 (the symmetric activation
+    convention of ``primitives.choose_qparams``) and 448 for fp8; ``q = quantize(x * (1/scale))``.
+    """
+    x = x.to(torch.float32)
+    amax = x.abs().amax(dim=1)
+    scale = torch.clamp(amax / (FP8_MAX if qdtype == FP8 else 127.5), min=SCALE_EPS)
+    inv = torch.reciprocal(scale)[:, None]
+    q = quantize_fp8(x, inv) if qdtype == FP8 else quantize_int8(x, inv, 0.0)
+    return q, scale
 
 
 def exp_f32(x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +112,16 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.to(dtype), b.to(dtype).t()).to(torch.int32)
 
 
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp8 [M, K] @ fp8 [N, K]^T -> float32, from the exact float64 sum.
+
+    Each e4m3 product is exact in float64 and so is every partial sum for K < 2**20, so this is
+    the correctly rounded result; a GPU's float32 (or tensor-core) accumulation is within its own
+    rounding of it, not bit-identical.
+    """
+    return torch.matmul(a.double(), b.double().t()).to(torch.float32)
+
+
 def epilogue(
     acc: torch.Tensor,
     scale: torch.Tensor,
@@ -97,11 +132,18 @@ def epilogue(
     out_zero_point: torch.Tensor | None,
     out_dtype: torch.dtype,
     channel_dim: int = -1,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int32 accumulator -> scales, bias, activation, residual, then int8 requant or float."""
+    """Accumulator -> scales, bias, activation, residual, then int8/fp8 requant or float.
+
+    ``row_scale`` [M] (dynamic per-token activation scales, 2-D ``acc`` only) multiplies after the
+    per-channel scale, as the kernel does.
+    """
     shape = [1] * acc.dim()
     shape[channel_dim] = -1
     y = acc.to(torch.float32) * scale.reshape(shape)
+    if row_scale is not None:
+        y = y * row_scale[:, None]
     if bias is not None:
         y = y + bias.reshape(shape)
     y = ACTIVATIONS[act](y)
@@ -110,12 +152,16 @@ def epilogue(
     if out_dtype == torch.int8:
         zp = out_zero_point.to(torch.float32) if out_zero_point is not None else 0.0
         return quantize_int8(y, out_inv_scale, zp)
+    if out_dtype == FP8:
+        return quantize_fp8(y, out_inv_scale)
     return y.to(out_dtype)
 
 
-def _quantize_input(x, x_inv_scale, x_zero_point):
-    if x.dtype == torch.int8:
+def _quantize_input(x, x_inv_scale, x_zero_point, qdtype=torch.int8):
+    if x.dtype in (torch.int8, FP8):
         return x
+    if qdtype == FP8:
+        return quantize_fp8(x.to(torch.float32), x_inv_scale)
     zp = x_zero_point.to(torch.float32) if x_zero_point is not None else 0.0
     return quantize_int8(x.to(torch.float32), x_inv_scale, zp)
 
@@ -133,13 +179,22 @@ def qlinear(
     out_zero_point: torch.Tensor | None,
     act: str,
     out_dtype: torch.dtype,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of ``kernels.qgemm.qlinear`` on 2-D x [M, K]."""
-    acc = int_matmul(_quantize_input(x, x_inv_scale, x_zero_point), weight)
+    """Reference of ``kernels.qgemm.qlinear`` on 2-D x [M, K] (int8 or fp8 ``weight``).
+
+    Float ``x`` without ``x_inv_scale`` is quantized per token (dynamic); a quantized ``x`` may
+    bring its per-token scales in ``x_scale``.
+    """
+    if x.is_floating_point() and x.dtype != FP8 and x_inv_scale is None:
+        x, x_scale = quantize_per_token(x, weight.dtype)
+    xq = _quantize_input(x, x_inv_scale, x_zero_point, weight.dtype)
+    acc = fp8_matmul(xq, weight) if weight.dtype == FP8 else int_matmul(xq, weight)
     if x_zero_point is not None:
         acc = acc - x_zero_point.to(torch.int32) * weight_sum[None, :]
     return epilogue(
-        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=-1
+        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=-1,
+        row_scale=x_scale,
     )
 
 

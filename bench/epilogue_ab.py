@@ -1,0 +1,49 @@
+"""A/B of epilogue schedules on the MLP's first GEMM (M=16384, K=4096, N=14336, int8/fp8 in/out).
+
+    PYTHONPATH=. python bench/epilogue_ab.py
+
+ReLU shows the GEMM alone; GELU adds the heavy epilogue. The tile shape and ``epi_split`` rows are
+the evidence behind ``tuning.for_epilogue``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+import harness as H  # noqa: E402
+from warm import Variant, make_args, precompile  # noqa: E402
+
+from qfuse.kernels import qgemm  # noqa: E402
+from qfuse.kernels.tuning import GemmConfig  # noqa: E402
+
+M, K, N = 16384, 4096, 14336
+CONFIGS = [
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=3, epi_split=2),
+    GemmConfig(256, 128, 128, num_warps=8, num_stages=3, epi_split=2),
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=4, epi_split=2),
+]
+
+
+def main():
+    variants = [Variant(f"{d}-xq", act=a, quantized_out=True) for d in ("int8", "fp8")
+                for a in ("relu", "gelu")]
+    precompile([(v, dataclasses.asdict(c)) for v in variants for c in CONFIGS])
+    for v in variants:
+        args = make_args(v, M, K, N)
+        for c in CONFIGS:
+            us = H.median_us(lambda c=c, a=args: qgemm.qlinear(**a, config=c))
+            tops = 2 * M * N * K / us / 1e6
+            print(f"{v.kind:8s} {v.act:5s} {c.block_m}x{c.block_n} st{c.num_stages} "
+                  f"epi{c.epi_split}: {us:8.1f} us {tops:6.0f} TOPS", flush=True)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

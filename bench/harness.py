@@ -1,0 +1,166 @@
+"""What every qfuse benchmark shares: timing, launch counting, error, and the result file.
+
+Timing is ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median). Every
+implementation is checked against a float64 reference before it is timed; one that fails to run
+is recorded with its error instead of a time, so a row never silently disappears.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.testing import do_bench
+
+# Where the benchmarks allocate; "cpu" only for smoke-testing the scripts themselves.
+DEVICE = "cuda"
+
+
+def environment() -> dict:
+    """Device, library versions and the commit the numbers belong to."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit or os.environ.get("QFUSE_COMMIT", "unknown"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN/Inf in ``out`` gives inf."""
+    out64 = out.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return ((out64 - ref).norm() / ref.norm()).item()
+
+
+def count_launches(fn: Callable[[], object]) -> int:
+    """GPU kernels (and memcpy/memset) one call of ``fn`` puts on the device, by torch.profiler."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def host_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """CPU time to issue one call, measured while the GPU is held busy (so nothing waits on it):
+    above the GPU time, a forward is launch-bound and CUDA graphs would pay off."""
+    torch.cuda._sleep(int(5e7))  # ~25 ms of GPU spin at ~2 GHz; the calls below only queue
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return elapsed * 1e6
+
+
+def median_us(fn: Callable[[], object]) -> float:
+    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def measure(
+    row: dict,
+    fn: Callable[[], torch.Tensor],
+    ref: torch.Tensor,
+    flops: float,
+    max_err: float,
+    launches: bool = True,
+    to_float: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    graph: bool = False,
+) -> dict:
+    """Fill ``row`` with median_us, tflops, launches and max_rel_err, or with ``error``.
+
+    ``max_err`` is the correctness gate: an implementation whose output is further than that from
+    the float64 reference is recorded as wrong and not timed. ``to_float`` turns a quantized
+    output back into real values for that check (it is not timed). ``graph`` adds
+    ``graph_us``: the median of CUDA-graph replays, i.e. GPU time without host launch cost
+    (no L2 flush between replays, so weights that fit in L2 read faster than from HBM).
+    """
+    try:
+        out = fn()
+        err = rel_err(to_float(out) if to_float else out.float(), ref)
+        row["max_rel_err"] = err
+        if not err <= max_err:
+            row["error"] = f"wrong result: rel err {err:.3g} > {max_err}"
+            return row
+        row["median_us"] = median_us(fn)
+        row["tflops"] = flops / (row["median_us"] * 1e-6) / 1e12
+        if launches:
+            row["launches"] = count_launches(fn)
+            row["host_us"] = host_us(fn)
+        if graph:
+            try:
+                ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+                row["graph_us"] = ms * 1e3
+            except Exception as exc:  # noqa: BLE001 — not every baseline can be captured
+                row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    except Exception as exc:  # noqa: BLE001 — a failing baseline is a result, not a crash
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        if os.environ.get("QFUSE_BENCH_TRACEBACK"):
+            traceback.print_exc()
+    finally:
+        torch.cuda.synchronize()
+    return row
+
+
+def write_results(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**environment(), "rows": rows}, f, indent=1)
+
+
+def add_ratios(rows: list[dict], key: tuple[str, ...]) -> None:
+    """Per group of rows with the same ``key`` fields: speedup over bf16 eager and best baseline.
+
+    The best baseline is the fastest non-qfuse implementation of the same dtype as the row (or of
+    any dtype for bf16 rows), so each qfuse row is compared with what a user has today.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in key), []).append(r)
+    for group in groups.values():
+        eager = [r for r in group if r["impl"] == "bf16_eager" and "median_us" in r]
+        for r in group:
+            if "median_us" not in r:
+                continue
+            if eager:
+                r["x_bf16_eager"] = eager[0]["median_us"] / r["median_us"]
+            base = [
+                b["median_us"] for b in group
+                if "median_us" in b and not b["impl"].startswith("qfuse")
+                and b["dtype"] in (r["dtype"], "bf16")
+            ]
+            if base:
+                r["x_best_baseline"] = min(base) / r["median_us"]
+
+
+def print_table(rows: list[dict], shape_keys: tuple[str, ...]) -> None:
+    head = f"{'shape':>22} {'dtype':>5} {'impl':>18} {'us':>9} {'TF/s':>7} {'xeager':>7} "
+    print(head + f"{'xbest':>6} {'launch':>6} {'host_us':>7} {'graph':>7} {'relerr':>8}")
+    for r in rows:
+        shape = "x".join(str(r[k]) for k in shape_keys)
+        if "median_us" not in r:
+            print(f"{shape:>22} {r['dtype']:>5} {r['impl']:>18}  {r.get('error', '')[:70]}")
+            continue
+        print(
+            f"{shape:>22} {r['dtype']:>5} {r['impl']:>18} {r['median_us']:9.1f} "
+            f"{r['tflops']:7.1f} {r.get('x_bf16_eager', 0):7.2f} {r.get('x_best_baseline', 0):6.2f}"
+            f" {r.get('launches', -1):6d} {r.get('host_us', 0):7.1f} {r.get('graph_us', 0):7.1f}"
+            f" {r['max_rel_err']:8.2e}"
+        )

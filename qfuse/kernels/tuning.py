@@ -1,0 +1,228 @@
+"""Schedules for ``_qlinear_kernel``: candidates per M bucket, autotuning, and an on-disk cache.
+
+A schedule is chosen per (GPU name, kernel kind, M bucket, N, K). M is rounded up to a power of
+two (16 ... 8192, then one bucket for everything larger), so a server whose batch size varies
+tunes once per bucket, never per exact M; the kernel does not specialize on M either
+(``do_not_specialize``), so a new M never recompiles.
+
+Lookup order: this process's memory -> the user cache file (``$QFUSE_CACHE_DIR/tuning.json``,
+default ``~/.cache/qfuse``) -> the shipped table (``tuned_configs.TUNED``, measured on the GPUs
+it names) -> autotune over ``candidates()`` on the first call, then written to the cache file so
+a second process does not retune. ``QFUSE_AUTOTUNE=0`` skips autotuning (first candidate wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Callable
+
+import torch
+import triton
+
+from qfuse.kernels.tuned_configs import TUNED
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    # Float x: quantize in a separate pass first instead of in the GEMM's prologue.
+    prequantize: bool = False
+    # Run the epilogue on 1 or 2 column slices of the tile, one after the other.
+    epi_split: int = 1
+
+
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# The interpreter runs programs one by one in numpy: few, large programs are fastest there.
+INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=64, block_k=128, num_stages=1)
+
+_memory: dict[tuple[str, bool], GemmConfig] = {}
+
+
+@functools.cache
+def _gpu_name(device: torch.device) -> str:
+    # Cached: a driver query per call is host time on a path whose kernels take ~10 us at
+    # decode sizes.
+    return torch.cuda.get_device_name(device)
+
+
+def m_bucket(M: int) -> int:
+    for b in M_BUCKETS:
+        if M <= b:
+            return b
+    return M_BUCKETS[-1] * 2
+
+
+def cache_key(gpu: str, kind: str, M: int, N: int, K: int) -> str:
+    return f"{gpu}|{kind}|M{m_bucket(M)}|N{N}|K{K}"
+
+
+def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
+    """Smallest power-of-two split that gives at least one program per SM, each >= 4 K tiles."""
+    split = 1
+    while tiles * split < sms and k_tiles // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
+    """A handful of schedules for this M bucket, the expected best first.
+
+    Measured on H200 (bench/results/tune_h200.json): the prologue quantization of a float x
+    costs ~10% at M=16 but 40-60% at M=128 (int8 4096x14336: 50.9 us vs 30.7 us with x already
+    int8; fp8 4096x4096: 64 us vs 19 us), because every column block re-quantizes the x tile; a
+    separate pass costs a few us. So float x is quantized separately from M=64 on, and both are
+    tried where it is close.
+    """
+    x_float = kind.endswith("xf")
+    b = m_bucket(M)
+    out = []
+    if b <= 64:
+        # Weight streaming: a 16-row MMA wastes rows but the loop is bound by W bytes; wide K
+        # blocks keep more bytes in flight per program, split-K fills the SMs.
+        bm = max(16, b)
+        shapes = ((64, 256, 4), (128, 256, 3), (128, 128, 5))
+        if bm <= 32:  # 512-wide K tiles of a 64-row x overflow shared memory (262 KB > 227 KB)
+            shapes += ((64, 512, 3),)
+        pre = []
+        for bn, bk, stages in shapes:
+            tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+            split = _split_for(tiles, triton.cdiv(K, bk), sms)
+            for s in sorted({split, max(1, split // 2), split * 2}):
+                if s == 1 or triton.cdiv(K, bk) // s >= 2:
+                    out.append(GemmConfig(bm, bn, bk, split_k=s, num_stages=stages))
+            pre.append(GemmConfig(bm, bn, bk, split_k=split, num_stages=stages, prequantize=True))
+        return out + pre if x_float and b == 64 else out
+    if b <= 256:
+        for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (64, 256, 8)):
+            tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+            split = _split_for(tiles, triton.cdiv(K, 128), sms)
+            for s in sorted({1, split}):
+                out.append(GemmConfig(bm, bn, 128, split_k=s, num_warps=warps, num_stages=4,
+                                      prequantize=x_float))
+        return out
+    # Compute-bound: Inductor's best int8 template on H200 is 128x256x128, 3 stages, 8 warps;
+    # 256x128 won as often here (1049 vs 1034 TOPS int8 at 16384x4096x14336).
+    for bm, bn, bk, stages in ((128, 256, 128, 3), (256, 128, 128, 3), (128, 128, 128, 4),
+                               (128, 256, 64, 4)):
+        out.append(GemmConfig(bm, bn, bk, num_warps=8, num_stages=stages, prequantize=x_float))
+    return out
+
+
+def _cache_path() -> str:
+    root = os.environ.get("QFUSE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "qfuse"
+    )
+    return os.path.join(root, "tuning.json")
+
+
+def _read_cache() -> dict[str, dict]:
+    try:
+        with open(_cache_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, cfg: GemmConfig) -> None:
+    """Merge one entry into the cache file (atomic replace, so readers never see half a file)."""
+    path = _cache_path()
+    data = _read_cache()
+    data[key] = dataclasses.asdict(cfg)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home is not an error: the process keeps its in-memory choice
+
+
+def autotune(
+    run: Callable[[GemmConfig], object],
+    configs: list[GemmConfig],
+    report: list | None = None,
+) -> GemmConfig:
+    """The fastest of ``configs`` by median time of ``run(cfg)`` (configs that fail to launch,
+    e.g. out of shared memory, are skipped). ``report`` collects ``(cfg, ms or error)``."""
+    best, best_us = configs[0], float("inf")
+    for cfg in configs:
+        try:
+            us = triton.testing.do_bench(lambda c=cfg: run(c), warmup=5, rep=25,
+                                         return_mode="median")
+        except Exception as exc:  # noqa: BLE001 — resource limits show up only at launch
+            if report is not None:
+                report.append((cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
+            continue
+        if report is not None:
+            report.append((cfg, us))
+        if us < best_us:
+            best, best_us = cfg, us
+    return best
+
+
+def for_epilogue(cfg: GemmConfig, heavy: bool) -> GemmConfig:
+    """``cfg`` adapted to a heavy epilogue: tile capped at 128x128 (8 warps, 4 stages), epilogue
+    in two column halves. Compiled for sm_90 (GELU, int8 out), the 128x128 kernel keeps 360 B of
+    stack per thread in one piece and 96 B in halves; 128x256 keeps ~2 KB either way."""
+    if not heavy:
+        return cfg
+    if cfg.block_m * cfg.block_n > 128 * 128:
+        cfg = dataclasses.replace(cfg, block_m=128, block_n=128, block_k=128, num_warps=8,
+                                  num_stages=4)
+    return dataclasses.replace(cfg, epi_split=2) if cfg.block_m >= 64 else cfg
+
+
+def pick_config(
+    M: int,
+    N: int,
+    K: int,
+    kind: str,
+    device: torch.device,
+    interpreted: bool,
+    run: Callable[[GemmConfig], object] | None = None,
+    heavy_epilogue: bool = False,
+) -> GemmConfig:
+    """The schedule for this call; see the module docstring for the lookup order.
+
+    ``heavy_epilogue`` (GELU, SiLU: ~40 float ops per element from IEEE-exact polynomials) caps
+    the tile at 128x128: compiled for sm_90, the int8 128x256 / 8-warp kernel already spills
+    2.2 KB of stack per thread with ReLU, and with GELU the d=4096/h=14336 MLP at M=16384 ran
+    6.9 ms against 3.6 ms for its two GEMMs with ReLU (bench/results/mlp_h200.json, first run);
+    128x128 / 8 warps spills 360 B.
+    """
+    if interpreted:
+        return INTERPRETER_CONFIG
+    gpu = _gpu_name(device)
+    key = cache_key(gpu, kind, M, N, K)
+    cfg = _memory.get((key, heavy_epilogue))
+    if cfg is not None:
+        return cfg
+    stored = _read_cache().get(key) or TUNED.get(key)
+    if stored is not None:
+        cfg = GemmConfig(**stored)
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        cands = candidates(M, N, K, kind, sms)
+        tune = (
+            run is not None
+            and os.environ.get("QFUSE_AUTOTUNE", "1") != "0"
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        cfg = autotune(run, cands) if tune else cands[0]
+        if tune:
+            _write_cache(key, cfg)
+    cfg = for_epilogue(cfg, heavy_epilogue)
+    _memory[(key, heavy_epilogue)] = cfg
+    return cfg

@@ -1,0 +1,105 @@
+"""``qfuse.kernels.tuning``: M buckets, candidates, one autotune per bucket, the disk cache."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from qfuse.kernels import tuning
+from qfuse.kernels.tuning import GemmConfig, m_bucket
+
+SMEM = 232448  # bytes of shared memory an H100/H200 block may use
+
+
+def test_buckets_are_monotone_and_cover_every_m():
+    buckets = [m_bucket(m) for m in range(1, 20000)]
+    assert buckets == sorted(buckets)
+    assert all(b >= m for m, b in zip(range(1, 20000), buckets, strict=True) if m <= 8192)
+    assert len(set(buckets)) == len(tuning.M_BUCKETS) + 1
+
+
+@pytest.mark.parametrize("kind", ["int8-xf", "int8-xq", "fp8-xf", "fp8-xq"])
+@pytest.mark.parametrize("M", [1, 16, 64, 128, 512, 16384])
+@pytest.mark.parametrize(("K", "N"), [(4096, 14336), (14336, 4096), (1024, 4096)])
+def test_candidates_fit_the_gpu(kind, M, K, N):
+    cands = tuning.candidates(M, N, K, kind, sms=132)
+    assert cands and len(cands) <= 16, "a small set: autotuning compiles each one"
+    for c in cands:
+        x_bytes = 2 if kind.endswith("xf") and not c.prequantize else 1
+        stage = c.block_k * (c.block_m * x_bytes + c.block_n)
+        assert stage * (c.num_stages - 1) <= SMEM, c
+        assert c.split_k == 1 or -(-K // c.block_k) >= c.split_k, c
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """pick_config on a CPU machine: a named fake GPU, an empty cache dir, counted autotunes."""
+    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_gpu_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(tuning, "_memory", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    calls = []
+
+    def fake_autotune(run, configs, report=None):
+        calls.append(len(configs))
+        return configs[-1]
+
+    monkeypatch.setattr(tuning, "autotune", fake_autotune)
+    return types.SimpleNamespace(calls=calls, path=tmp_path / "tuning.json")
+
+
+def test_one_autotune_per_bucket_then_cached_on_disk(fake_gpu):
+    dev = torch.device("cpu")
+    picks = {tuning.pick_config(M, 4096, 4096, "int8-xq", dev, False, run=lambda c: None)
+             for M in range(17, 33)}
+    assert len(fake_gpu.calls) == 1 and len(picks) == 1  # M 17..32 share the bucket 32
+    stored = json.loads(fake_gpu.path.read_text())
+    assert list(stored) == ["Fake GPU|int8-xq|M32|N4096|K4096"]
+    tuning._memory.clear()  # a second process: reads the file, does not retune
+    again = tuning.pick_config(20, 4096, 4096, "int8-xq", dev, False, run=lambda c: None)
+    assert again == picks.pop() and len(fake_gpu.calls) == 1
+
+
+def test_no_autotune_when_disabled(fake_gpu, monkeypatch):
+    monkeypatch.setenv("QFUSE_AUTOTUNE", "0")
+    cfg = tuning.pick_config(100, 4096, 4096, "fp8-xf", torch.device("cpu"), False, run=print)
+    assert fake_gpu.calls == [] and cfg == tuning.candidates(100, 4096, 4096, "fp8-xf", 132)[0]
+
+
+def test_shipped_table_is_used_for_its_gpu(fake_gpu, monkeypatch):
+    key = "Fake GPU|int8-xq|M16|N64|K64"
+    monkeypatch.setitem(tuning.TUNED, key, {"block_m": 16, "block_n": 32, "block_k": 64})
+    cfg = tuning.pick_config(3, 64, 64, "int8-xq", torch.device("cpu"), False, run=print)
+    assert cfg == GemmConfig(16, 32, 64) and fake_gpu.calls == []
+
+
+def test_shipped_table_entries_are_valid_configs():
+    from qfuse.kernels.tuned_configs import TUNED
+
+    assert TUNED, "the H200 table ships with the package"
+    for key, row in TUNED.items():
+        gpu, kind, m, n, k = key.split("|")
+        assert kind in ("int8-xf", "int8-xq", "fp8-xf", "fp8-xq")
+        assert int(m[1:]) in (*tuning.M_BUCKETS, 2 * tuning.M_BUCKETS[-1])
+        GemmConfig(**row)
+
+
+def test_interpreter_gets_its_own_schedule():
+    cfg = tuning.pick_config(5, 10, 10, "int8-xf", torch.device("cpu"), True)
+    assert cfg == tuning.INTERPRETER_CONFIG
+
+
+def test_heavy_epilogue_caps_the_tile(fake_gpu, monkeypatch):
+    key = "Fake GPU|int8-xq|M8192|N64|K64"
+    big = {"block_m": 256, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}
+    monkeypatch.setitem(tuning.TUNED, key, big)
+    dev = torch.device("cpu")
+    light = tuning.pick_config(5000, 64, 64, "int8-xq", dev, False, run=print)
+    heavy = tuning.pick_config(5000, 64, 64, "int8-xq", dev, False, run=print, heavy_epilogue=True)
+    assert (light.block_m, light.block_n) == (256, 128)
+    assert (heavy.block_m, heavy.block_n, heavy.num_stages, heavy.epi_split) == (128, 128, 4, 2)

@@ -1,0 +1,73 @@
+"""``qfuse::qlinear``: schema and fake tensor, checks and typed errors, compile and eager paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qfuse.ops  # noqa: F401  (registers the op)
+from qfuse.errors import ShapeError, UnsupportedError
+from qfuse.ops.qlinear import qlinear_call
+
+FP8 = torch.float8_e4m3fn
+
+
+def op_args(M=3, K=16, N=8, qdtype=torch.int8, x=None, **over):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(N, K, generator=g) * 20).clamp(-127, 127).to(qdtype)
+    args = dict(x=torch.randn(M, K, generator=g) if x is None else x, weight=w,
+                scale=torch.full((N,), 1e-2), bias=torch.randn(N, generator=g),
+                x_inv_scale=torch.tensor(30.0), x_zero_point=None, weight_sum=None,
+                residual=None, out_inv_scale=None, out_zero_point=None, activation="gelu",
+                out_dtype=torch.float32)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("mode", ["static", "dynamic", "quantized_rows"])
+def test_opcheck(qdtype, mode):
+    args = op_args(qdtype=qdtype)
+    if mode == "dynamic":
+        args["x_inv_scale"] = None
+    if mode == "quantized_rows":
+        args.update(x=(torch.randn(3, 16) * 30).clamp(-127, 127).to(qdtype), x_inv_scale=None,
+                    x_scale=torch.rand(3))
+    # test_schema multiplies inputs to detect mutation, which CPU torch lacks for float8.
+    utils = ("test_faketensor",) if qdtype == FP8 else ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.qfuse.qlinear.default, tuple(args.values()), test_utils=utils)
+
+
+def test_leading_dims_and_per_token_scales_flatten():
+    x = torch.randn(2, 5, 16)
+    flat = torch.ops.qfuse.qlinear(**op_args(x=x.reshape(10, 16), x_inv_scale=None))
+    out = torch.ops.qfuse.qlinear(**op_args(x=x, x_inv_scale=None))
+    assert out.shape == (2, 5, 8) and torch.equal(out.reshape(10, 8), flat)
+
+
+@pytest.mark.parametrize(
+    ("over", "error"),
+    [
+        (dict(x=torch.randn(3, 15)), ShapeError),
+        (dict(weight=torch.randn(8, 16)), UnsupportedError),
+        (dict(x=torch.zeros(3, 16, dtype=FP8)), UnsupportedError),  # fp8 x, int8 weight
+        (dict(x_inv_scale=None, x_zero_point=torch.tensor(3)), UnsupportedError),
+        (dict(x=torch.randn(3, 16), x_scale=torch.ones(3)), UnsupportedError),
+        (dict(out_dtype=torch.int8), UnsupportedError),
+    ],
+)
+def test_typed_errors(over, error):
+    with pytest.raises(error):
+        torch.ops.qfuse.qlinear(**op_args(**over))
+
+
+def test_eager_fast_path_equals_the_op():
+    args = op_args()
+    assert torch.equal(qlinear_call(*args.values()), torch.ops.qfuse.qlinear(*args.values()))
+
+
+def test_compiles_as_one_opaque_op():
+    args = op_args(qdtype=FP8, x_inv_scale=None)
+    fn = torch.compile(lambda x: qlinear_call(x, *list(args.values())[1:]), backend="eager",
+                       fullgraph=True)
+    assert torch.equal(fn(args["x"]), torch.ops.qfuse.qlinear(*args.values()))

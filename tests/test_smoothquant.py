@@ -1,0 +1,72 @@
+import pytest
+import torch
+from torch import nn
+
+import qfuse
+from qfuse.smoothquant import factors
+from tests.models import sqnr_db
+
+
+class LNBlock(nn.Module):
+    """Post-LN style: the LayerNorm output feeds a Linear and the residual, and one LN channel
+    carries a large outlier (as BERT's do)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)  # fed directly by fc: smoothing folds into fc's rows
+        with torch.no_grad():
+            self.ln.weight[3] = 60.0
+            self.ln.weight[17] = -40.0
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.fc2(self.fc(h)) + h
+
+
+def quantize(model, x, **kw):
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,), **kw)
+    with torch.no_grad():
+        prepared(x)
+    return qfuse.convert(prepared)
+
+
+def test_smoothquant_improves_accuracy_on_outlier_channels():
+    torch.manual_seed(0)
+    model = LNBlock().eval()
+    x = torch.randn(64, 64)
+    plain = quantize(model, x)
+    smooth = quantize(model, x, smoothquant=qfuse.SmoothQuant(alpha=0.5))
+    with torch.no_grad():
+        ref = model(x)
+        gain = sqnr_db(ref, smooth(x)) - sqnr_db(ref, plain(x))
+    assert gain > 6.0
+    notes = {r["name"]: r["note"] for r in qfuse.summary(smooth).rows}
+    assert notes["fc"] == "SmoothQuant alpha=0.5 (prologue)"
+    assert notes["fc2"] == "SmoothQuant alpha=0.5 (folded into producer)"
+    assert smooth.get_submodule("fc").x_inv_scale.shape == (64,)
+
+
+def test_prologue_vector_runs_identically_in_triton_interpreter():
+    torch.manual_seed(1)
+    model = LNBlock().eval()
+    x = torch.randn(16, 64)
+    qmodel = quantize(model, x, smoothquant=qfuse.SmoothQuant(alpha=0.5, layers=("fc",)))
+    with torch.no_grad(), qfuse.use_backend("reference"):
+        ref = qmodel(x)
+    with torch.no_grad(), qfuse.use_backend("triton"):
+        out = qmodel(x)
+    assert torch.equal(ref, out)
+
+
+def test_factors_leave_dead_channels_alone():
+    act = torch.tensor([4.0, 0.0, 1.0])
+    w = torch.tensor([[1.0, 2.0, 0.0], [0.25, 1.0, 0.0]])
+    s = factors(act, w, alpha=0.5)
+    assert s.tolist() == pytest.approx([2.0, 1.0, 1.0])
+
+
+def test_alpha_out_of_range_is_rejected():
+    with pytest.raises(qfuse.UnsupportedError, match="alpha"):
+        qfuse.SmoothQuant(alpha=1.5)
