@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/bench_mlp.py --out bench/results/mlp_h200.json
 
 qfuse (static): two fused kernels, int8/fp8 between them — the first quantizes x (in its
-prologue, or a separate pass from M=64 on), applies bias + GELU and requantizes h with the second
+prologue, or a separate pass from M=128 on), applies bias + GELU and requantizes h with the second
 layer's static scale; the second adds bias and the residual and writes bf16.
 qfuse_dynamic: per-token scales at run time — each layer quantizes its input in a separate pass
 (a row's scale needs the whole row), h travels as bf16: four launches.

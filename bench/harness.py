@@ -30,6 +30,8 @@ def environment() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
+    if len(commit) != 40:  # the device machine's copy of the tree has no .git
+        commit = ""
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -109,14 +111,21 @@ def measure(
                 ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
                 row["graph_us"] = ms * 1e3
             except Exception as exc:  # noqa: BLE001 — not every baseline can be captured
-                row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                row["graph_error"] = error_text(exc)
     except Exception as exc:  # noqa: BLE001 — a failing baseline is a result, not a crash
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        row["error"] = error_text(exc)
         if os.environ.get("QFUSE_BENCH_TRACEBACK"):
             traceback.print_exc()
     finally:
         torch.cuda.synchronize()
     return row
+
+
+def error_text(exc: Exception) -> str:
+    """First and last line of an exception (Inductor puts the cause on the last one)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def write_results(path: str, rows: list[dict]) -> None:

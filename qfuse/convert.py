@@ -127,7 +127,7 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
         # Per-token scales need the whole row, so chains hand over float32 (plan weights are
         # float32) and each layer quantizes its input on entry.
         scale, zp, input_quantized, out_scale, out_zp = None, None, False, None, None
-        out_dtype = torch.float32 if out_dtype == torch.int8 else out_dtype
+        out_dtype = torch.float32 if out_dtype in (torch.int8, torch.float8_e4m3fn) else out_dtype
     common = dict(
         x_scale=scale,
         x_zero_point=zp,

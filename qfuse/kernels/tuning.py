@@ -37,7 +37,8 @@ class GemmConfig:
     num_stages: int = 3
     # Float x: quantize in a separate pass first instead of in the GEMM's prologue.
     prequantize: bool = False
-    # Run the epilogue on 1 or 2 column slices of the tile, one after the other.
+    # Run the epilogue on 1 or 2 column slices of the tile, one after the other: halves the
+    # registers a heavy epilogue holds (GELU at 128x256: 5284 -> 3669 us); no gain at 128x128.
     epi_split: int = 1
 
 
@@ -78,11 +79,10 @@ def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
 def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     """A handful of schedules for this M bucket, the expected best first.
 
-    Measured on H200 (bench/results/tune_h200.json): the prologue quantization of a float x
-    costs ~10% at M=16 but 40-60% at M=128 (int8 4096x14336: 50.9 us vs 30.7 us with x already
-    int8; fp8 4096x4096: 64 us vs 19 us), because every column block re-quantizes the x tile; a
-    separate pass costs a few us. So float x is quantized separately from M=64 on, and both are
-    tried where it is close.
+    Measured on H200 (bench/results/tune_h200_prologue.json): quantizing a float x in the
+    prologue re-does it in every column block — at M=16384, 4096x14336 int8 that took 3913 us
+    against 1874 us with a separate quantize pass first; at M=16 the extra launch costs more than
+    it saves. So float x gets the separate pass from M=128 on, and both are tried at M=64.
     """
     x_float = kind.endswith("xf")
     b = m_bucket(M)
@@ -173,15 +173,16 @@ def autotune(
 
 
 def for_epilogue(cfg: GemmConfig, heavy: bool) -> GemmConfig:
-    """``cfg`` adapted to a heavy epilogue: tile capped at 128x128 (8 warps, 4 stages), epilogue
-    in two column halves. Compiled for sm_90 (GELU, int8 out), the 128x128 kernel keeps 360 B of
-    stack per thread in one piece and 96 B in halves; 128x256 keeps ~2 KB either way."""
-    if not heavy:
-        return cfg
-    if cfg.block_m * cfg.block_n > 128 * 128:
-        cfg = dataclasses.replace(cfg, block_m=128, block_n=128, block_k=128, num_warps=8,
-                                  num_stages=4)
-    return dataclasses.replace(cfg, epi_split=2) if cfg.block_m >= 64 else cfg
+    """``cfg`` for a heavy epilogue: the tile capped at 128x128 (8 warps, 4 stages).
+
+    Measured on H200 (bench/results/epilogue_ab_h200.txt, M=16384 K=4096 N=14336, int8 out):
+    ReLU 128x256 1869 us; GELU 128x256 5284 us, in two column halves (``epi_split=2``) 3669 us,
+    128x128 2744 us (2754 in halves). fp8: GELU 128x128 2336 us against 5378 at 128x256.
+    """
+    if heavy and cfg.block_m * cfg.block_n > 128 * 128:
+        return dataclasses.replace(cfg, block_m=128, block_n=128, block_k=128, num_warps=8,
+                                   num_stages=4, epi_split=1)
+    return cfg
 
 
 def pick_config(
@@ -197,10 +198,8 @@ def pick_config(
     """The schedule for this call; see the module docstring for the lookup order.
 
     ``heavy_epilogue`` (GELU, SiLU: ~40 float ops per element from IEEE-exact polynomials) caps
-    the tile at 128x128: compiled for sm_90, the int8 128x256 / 8-warp kernel already spills
-    2.2 KB of stack per thread with ReLU, and with GELU the d=4096/h=14336 MLP at M=16384 ran
-    6.9 ms against 3.6 ms for its two GEMMs with ReLU (bench/results/mlp_h200.json, first run);
-    128x128 / 8 warps spills 360 B.
+    the tile at 128x128 (``for_epilogue``): with 128x256 tiles the d=4096/h=14336 MLP at
+    M=16384 ran 6.9 ms against 3.6 ms for its two GEMMs with ReLU.
     """
     if interpreted:
         return INTERPRETER_CONFIG

@@ -102,4 +102,4 @@ def test_heavy_epilogue_caps_the_tile(fake_gpu, monkeypatch):
     light = tuning.pick_config(5000, 64, 64, "int8-xq", dev, False, run=print)
     heavy = tuning.pick_config(5000, 64, 64, "int8-xq", dev, False, run=print, heavy_epilogue=True)
     assert (light.block_m, light.block_n) == (256, 128)
-    assert (heavy.block_m, heavy.block_n, heavy.num_stages, heavy.epi_split) == (128, 128, 4, 2)
+    assert (heavy.block_m, heavy.block_n, heavy.num_stages) == (128, 128, 4)

@@ -67,3 +67,34 @@ def test_bad_builds_raise_typed_errors():
         QLinear.from_float(w, None, x_scale=None, x_zero_point=None, dtype=torch.float16)
     with pytest.raises(UnsupportedError):
         QLinear.from_float(w, None, x_scale=None, x_zero_point=torch.tensor(3))
+
+
+PRESETS = ["int8_static", "fp8_static", "int8_dynamic", "fp8_dynamic"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_converts_and_runs_on_both_backends(device, preset):
+    import qfuse
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(8, 32)
+    cfg = getattr(qfuse.QConfig, preset)()
+    prepared = qfuse.prepare(model, cfg, example_inputs=(x,))
+    prepared(x)
+    qmodel = qfuse.convert(prepared).to(device)
+    float_out = model(x)
+    x = x.to(device)
+    layers = [m for m in qmodel.modules() if isinstance(m, QLinear)]
+    assert len(layers) == 2 and all(m.weight.dtype == cfg.dtype for m in layers)
+    assert all(m.dynamic == cfg.is_dynamic for m in layers)
+    with qfuse.use_backend("reference"):
+        ref = qmodel(x).cpu()
+    with qfuse.use_backend("triton"):  # the interpreter on CPU, the GPU kernels with CUDA
+        out = qmodel(x).cpu()
+    if cfg.dtype == torch.int8:
+        assert torch.equal(out, ref)
+    else:  # fp8 GEMMs accumulate in float32, not exactly; see tests/kernels/test_qgemm.py
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    bound = 0.03 if cfg.dtype == torch.int8 else 0.1  # measured: int8 1.3-1.7%, fp8 5.3-5.6%
+    assert ((ref - float_out).norm() / float_out.norm()) < bound
