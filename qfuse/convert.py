@@ -148,6 +148,33 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     return module
 
 
+QUANT_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
+
+
+def _record(chain: Chain, module, path: str, producer, readers, notes) -> LayerRecord:
+    """What summary and save report for a fused layer, read off the module actually built."""
+    qname = QUANT_NAMES[module.weight.dtype]
+    if module.input_quantized:
+        source = f"{qname} from {producer}"
+    elif module.x_scale is None:
+        source = f"float → {qname} per token (dynamic)"
+    else:
+        source = f"float → {qname} in prologue"
+    if module.out_dtype in QUANT_NAMES:
+        sink = f"{QUANT_NAMES[module.out_dtype]} to {', '.join(r.name for r in readers)}"
+    else:
+        sink = str(module.out_dtype).replace("torch.", "")
+    return LayerRecord(
+        name=path,
+        pattern=chain.pattern,
+        kind=chain.kind,
+        precision=qname,
+        input=source,
+        output=sink,
+        note="; ".join(notes),
+    )
+
+
 def convert(
     prepared: fx.GraphModule,
     inplace: bool = False,
@@ -203,18 +230,13 @@ def convert(
             where = "prologue" if chain.name in plan.prologue else "folded into producer"
             notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
         layers.append(
-            LayerRecord(
-                name=paths[chain.name],
-                pattern=chain.pattern,
-                kind=chain.kind,
-                precision="int8",
-                input=f"int8 from {producers[chain.name]}"
-                if chain.name in producers
-                else "float → int8 in prologue",
-                output=f"int8 to {', '.join(r.name for r in readers)}"
-                if readers
-                else str(float_dtype).replace("torch.", ""),
-                note="; ".join(notes),
+            _record(
+                chain,
+                modules[chain.name],
+                paths[chain.name],
+                producers.get(chain.name),
+                readers,
+                notes,
             )
         )
     fuse_chains(gm, state.chains, modules)

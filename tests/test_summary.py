@@ -28,3 +28,17 @@ def test_summary_reports_the_backend_that_will_run():
     qmodel = qfuse.convert(prepared)
     with qfuse.use_backend("triton"):
         assert qfuse.summary(qmodel).rows[0]["kernel"] == "triton qgemm (cpu)"
+
+
+def test_summary_labels_fp8_and_dynamic_layers_truthfully():
+    x = torch.randn(4, 32)
+    expect = {
+        "fp8_static": ("fp8_e4m3", "float → fp8_e4m3 in prologue", "fp8_e4m3 to down"),
+        "int8_dynamic": ("int8", "float → int8 per token (dynamic)", "float32"),
+    }
+    for preset, (precision, source, sink) in expect.items():
+        prepared = qfuse.prepare(MLPBlock().eval(), getattr(qfuse.QConfig, preset)(), (x,))
+        prepared(x)
+        up = qfuse.summary(qfuse.convert(prepared)).rows[0]
+        assert (up["precision"], up["input"], up["output"]) == (precision, source, sink), preset
+        assert str(qfuse.summary(qfuse.convert(prepared)))

@@ -12,8 +12,11 @@ def test_auto_uses_reference_on_cpu(monkeypatch):
 
 def test_environment_variable_forces_backend(monkeypatch):
     monkeypatch.setenv("QFUSE_BACKEND", "triton")
+    monkeypatch.setattr("qfuse.ops.backend.triton_interpreted", lambda: True)
     assert requested_backend() is Backend.TRITON
-    assert resolve_backend(torch.device("cpu")) is Backend.TRITON  # interpreter is on in tests
+    assert resolve_backend(torch.device("cpu")) is Backend.TRITON
+    monkeypatch.setenv("QFUSE_BACKEND", "reference")
+    assert resolve_backend(torch.device("cuda")) is Backend.REFERENCE
 
 
 def test_unknown_backend_name_is_an_error(monkeypatch):
