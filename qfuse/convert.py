@@ -107,10 +107,10 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     out_scale, out_zp = out_qparams if out_qparams else (None, None)
     prologue = plan.prologue.get(chain.name)
     fp8 = config.dtype == torch.float8_e4m3fn
-    if (fp8 or config.is_dynamic) and chain.kind != "linear":
+    if config.is_dynamic and chain.kind != "linear":
         raise UnsupportedError(
-            f"layer {chain.name}: Conv2d is quantized with static int8 only; use "
-            "QConfig.int8_static() for models with fused convolutions."
+            f"layer {chain.name}: Conv2d is quantized with static scales only; use a static "
+            "QConfig (int8_static / fp8_static), or keep_float this layer."
         )
     if fp8:
         # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
@@ -142,7 +142,7 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     if chain.kind == "linear":
         module = QLinear.from_float(weight, bias, dtype=config.dtype, **common)
     else:
-        module = QConv2d.from_float(weight, bias, **chain.conv, **common)
+        module = QConv2d.from_float(weight, bias, **chain.conv, dtype=config.dtype, **common)
     if prologue is not None:
         module.x_inv_scale = prologue.to(module.weight.device)
     return module

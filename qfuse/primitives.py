@@ -117,6 +117,18 @@ def quantize_weight(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tens
     return q, scale
 
 
+def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool):
+    """float8 e4m3 weight with a float32 scale per output channel (``amax / 448``).
+
+    Same shape contract as ``quantize_weight``: one scale entry per output channel.
+    """
+    w = weight.detach().float().reshape(weight.shape[0], -1)
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
+    scale = torch.clamp(amax / FP8_E4M3_MAX, min=SCALE_EPS).to(torch.float32)
+    v = torch.clamp(w * torch.reciprocal(scale)[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return v.to(torch.float8_e4m3fn).reshape(weight.shape), scale
+
+
 def fake_quantize(
     x: torch.Tensor,
     scale: torch.Tensor,

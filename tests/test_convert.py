@@ -152,3 +152,15 @@ def test_deepcopy_keeps_the_qfuse_state():
     qmodel = quantize(MLPBlock().eval(), torch.randn(4, 32))
     clone = copy.deepcopy(qmodel)
     assert [r["name"] for r in qfuse.summary(clone).rows] == ["up", "down"]
+
+
+def test_fp8_static_convnet_uses_fp8_convolutions():
+    torch.manual_seed(0)
+    model = randomize_batchnorm(ConvNet())
+    x = torch.randn(4, 1, 8, 8)
+    qmodel = quantize(model, x, qfuse.QConfig.fp8_static())
+    convs = [m for m in qmodel.modules() if isinstance(m, QConv2d)]
+    assert len(convs) == 2 and all(c.weight.dtype == torch.float8_e4m3fn for c in convs)
+    assert qmodel.get_submodule("conv1").out_dtype == torch.float8_e4m3fn  # fp8 handoff
+    with torch.no_grad():
+        assert sqnr_db(model(x), qmodel(x)) > 20

@@ -14,12 +14,17 @@ class QuantizedModule(nn.Module):
     moves it and ``state_dict`` saves it); layout flags are plain attributes set at build time."""
 
     def _apply(self, fn, recurse=True):
-        # model.half()/.to(bfloat16) must not touch scales: the kernels read float32 scales and
-        # the integer semantics depend on them. Cast them back after any dtype conversion.
+        # model.half() / .to(torch.bfloat16) apply to every floating buffer — float8 weights too —
+        # and a round trip through fp16 rounds float32 scales and biases. So a buffer whose dtype
+        # changed, or every buffer when ``fn`` casts floats (a float32 probe changes dtype), is
+        # restored from before: only the device may change.
+        cast = fn(torch.zeros((), dtype=torch.float32)).dtype != torch.float32
+        before = {k: b for k, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
-        for name, buf in self._buffers.items():
-            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                self._buffers[name] = buf.float()
+        for name, old in before.items():
+            new = self._buffers[name]
+            if cast or new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
         return self
 
     def _set_qparams(self, prefix: str, scale, zero_point) -> None:

@@ -1,15 +1,16 @@
-"""QConv2d: a fused int8 Conv2d (+folded BN bias, activation, residual, requant) as a module."""
+"""QConv2d: a fused int8 / fp8 Conv2d (+folded BN bias, activation, residual, requant) as a module."""
 
 from __future__ import annotations
 
 import torch
 
+from qfuse.errors import UnsupportedError
 from qfuse.nn.base import QuantizedModule
-from qfuse.primitives import quantize_weight
+from qfuse.primitives import quantize_weight, quantize_weight_fp8
 
 
 class QConv2d(QuantizedModule):
-    """int8 Conv2d through ``qfuse::qconv2d`` (reference kernel on every device for now)."""
+    """int8 or fp8 Conv2d through ``qfuse::qconv2d`` (reference kernel on every device for now)."""
 
     BUFFER_NAMES = (
         "weight",
@@ -58,11 +59,15 @@ class QConv2d(QuantizedModule):
         out_scale: torch.Tensor | None = None,
         out_zero_point: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.int8,
     ) -> QConv2d:
         out_c, in_c_per_group, kh, kw = weight.shape
         mod = cls(in_c_per_group * groups, out_c, (kh, kw), groups)
         mod.stride, mod.padding, mod.dilation = list(stride), list(padding), list(dilation)
-        q, w_scale = quantize_weight(weight, per_channel)
+        if dtype not in (torch.int8, torch.float8_e4m3fn):
+            raise UnsupportedError(f"QConv2d dtype {dtype}: use torch.int8 or float8_e4m3fn.")
+        quantize = quantize_weight_fp8 if dtype == torch.float8_e4m3fn else quantize_weight
+        q, w_scale = quantize(weight, per_channel)
         mod.weight, mod.weight_scale = q, w_scale
         mod._set_qparams("x", x_scale, x_zero_point)
         mod.scale = (mod.x_scale * w_scale).to(torch.float32)
@@ -70,7 +75,7 @@ class QConv2d(QuantizedModule):
         mod.activation = activation
         mod._input_quantized = input_quantized
         mod.out_dtype = out_dtype
-        if out_dtype == torch.int8:
+        if out_dtype in (torch.int8, torch.float8_e4m3fn):
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
 

@@ -7,20 +7,8 @@ import torch
 from qfuse.errors import UnsupportedError
 from qfuse.nn.base import QuantizedModule
 from qfuse.ops.qlinear import qlinear_call
-from qfuse.ops.reference import FP8, FP8_MAX, SCALE_EPS, quantize_fp8
-from qfuse.primitives import quantize_weight
-
-
-def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool):
-    """float8 e4m3 weight with a float32 scale per output channel: ``amax / 448``.
-
-    Same shape contract as ``primitives.quantize_weight`` (one scale entry per output channel).
-    """
-    w = weight.detach().float().reshape(weight.shape[0], -1)
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
-    scale = torch.clamp(amax / FP8_MAX, min=SCALE_EPS).to(torch.float32)
-    q = quantize_fp8(w, torch.reciprocal(scale)[:, None]).reshape(weight.shape)
-    return q, scale
+from qfuse.ops.reference import FP8
+from qfuse.primitives import quantize_weight, quantize_weight_fp8
 
 
 class QLinear(QuantizedModule):
@@ -41,8 +29,19 @@ class QLinear(QuantizedModule):
         (torch.float8_e4m3fn, True, True)
     """
 
-    BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", "weight_sum", "x_scale",
-                    "x_inv_scale", "x_zero_point", "out_scale", "out_inv_scale", "out_zero_point")
+    BUFFER_NAMES = (
+        "weight",
+        "weight_scale",
+        "scale",
+        "bias",
+        "weight_sum",
+        "x_scale",
+        "x_inv_scale",
+        "x_zero_point",
+        "out_scale",
+        "out_inv_scale",
+        "out_zero_point",
+    )
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -109,21 +108,6 @@ class QLinear(QuantizedModule):
     def _post_load(self) -> None:
         self.out_features, self.in_features = self.weight.shape
 
-    def _apply(self, fn, recurse=True):
-        # model.half() / .to(torch.bfloat16) apply to every floating buffer — float8 weights too,
-        # which the base class then turns into float32 — and a round trip through fp16 rounds
-        # float32 scales and biases. So a buffer whose dtype changed, or every buffer when ``fn``
-        # casts floats (a float32 probe changes dtype), is restored from before: only the device
-        # may change.
-        cast = fn(torch.zeros((), dtype=torch.float32)).dtype != torch.float32
-        before = {k: b for k, b in self._buffers.items() if b is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if cast or new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        return self
-
     @property
     def dynamic(self) -> bool:
         """True when activations are quantized per token at run time."""
@@ -131,8 +115,17 @@ class QLinear(QuantizedModule):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return qlinear_call(
-            x, self.weight, self.scale, self.bias, self.x_inv_scale, self.x_zero_point,
-            self.weight_sum, residual, self.out_inv_scale, self.out_zero_point, self.activation,
+            x,
+            self.weight,
+            self.scale,
+            self.bias,
+            self.x_inv_scale,
+            self.x_zero_point,
+            self.weight_sum,
+            residual,
+            self.out_inv_scale,
+            self.out_zero_point,
+            self.activation,
             self.out_dtype,
         )
 

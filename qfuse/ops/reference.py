@@ -193,7 +193,15 @@ def qlinear(
     if x_zero_point is not None:
         acc = acc - x_zero_point.to(torch.int32) * weight_sum[None, :]
     return epilogue(
-        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=-1,
+        acc,
+        scale,
+        bias,
+        act,
+        residual,
+        out_inv_scale,
+        out_zero_point,
+        out_dtype,
+        channel_dim=-1,
         row_scale=x_scale,
     )
 
@@ -215,11 +223,26 @@ def qconv2d(
     dilation: list[int],
     groups: int,
 ) -> torch.Tensor:
-    """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue.
+    """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue; fp8 weights give the
+    fp8 conv (float64 sums of exact e4m3 products, rounded once to float32, as ``fp8_matmul``).
 
     The zero point is subtracted before the convolution (exact in float), which is what a
     zero-padded input of real value 0 needs: padding contributes 0, not -zp * w.
     """
+    if weight.dtype == FP8:
+        q = _quantize_input(x, x_inv_scale, None, FP8).double()
+        acc = F.conv2d(q, weight.double(), None, stride, padding, dilation, groups).float()
+        return epilogue(
+            acc,
+            scale,
+            bias,
+            act,
+            residual,
+            out_inv_scale,
+            out_zero_point,
+            out_dtype,
+            channel_dim=1,
+        )
     reduction = weight.shape[1] * weight.shape[2] * weight.shape[3]
     dtype = _exact_float_dtype(reduction, 256, 128)  # q - zp spans up to 255
     q = _quantize_input(x, x_inv_scale, x_zero_point).to(dtype)
