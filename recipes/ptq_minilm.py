@@ -111,6 +111,7 @@ def run(device: str | None = None, fallback_drop: float = 0.0015, verbose: bool 
         ("int8 static, MinMax, asymmetric", asym, {}),
         ("int8 static, histogram-MSE, asymmetric", mse, {}),
         ("int8 static, MinMax asym + SmoothQuant 0.5", asym, smooth),
+        ("fp8 static (e4m3), MinMax", qfuse.QConfig.fp8_static(), {}),
         ("int8 static, hist-MSE asym + SmoothQuant 0.5", mse, smooth),
     ]
     results, last_prepared = [], None
