@@ -106,39 +106,32 @@ def run(device: str | None = None, fallback_drop: float = 0.0015, verbose: bool 
     asym = qfuse.QConfig(symmetric=False)
     mse = qfuse.QConfig(symmetric=False, observer="histogram_mse")
     smooth = {"smoothquant": qfuse.SmoothQuant(0.5)}
+    # (name, config, prepare kwargs, run auto_fallback on top)
     configs = [
-        ("int8 static, MinMax, symmetric", qfuse.QConfig.int8_static(), {}),
-        ("int8 static, MinMax, asymmetric", asym, {}),
-        ("int8 static, histogram-MSE, asymmetric", mse, {}),
-        ("int8 static, MinMax asym + SmoothQuant 0.5", asym, smooth),
-        ("fp8 static (e4m3), MinMax", qfuse.QConfig.fp8_static(), {}),
-        ("int8 static, hist-MSE asym + SmoothQuant 0.5", mse, smooth),
+        ("int8 static, MinMax, symmetric", qfuse.QConfig.int8_static(), {}, False),
+        ("int8 static, MinMax, asymmetric", asym, {}, False),
+        ("int8 static, histogram-MSE, asymmetric", mse, {}, False),
+        ("int8 static, MinMax asym + SmoothQuant 0.5", asym, smooth, False),
+        ("int8 static, hist-MSE asym + SmoothQuant 0.5", mse, smooth, True),
+        ("fp8 static (e4m3), MinMax", qfuse.QConfig.fp8_static(), {}, True),
     ]
-    results, last_prepared = [], None
-    for name, config, kwargs in configs:
-        t0 = time.perf_counter()
+    results, fallbacks = [], []
+    for name, config, kwargs, fallback in configs:
         prepared = calibrated(bert, tokenizer, config, calib, **kwargs)
-        qmodel = qfuse.convert(prepared)
-        results.append((name, qmodel, time.perf_counter() - t0, ""))
-        last_prepared = prepared
+        results.append((name, qfuse.convert(prepared), ""))
         if verbose:
             print(f"  converted: {name}", flush=True)
-    t0 = time.perf_counter()
-    qmodel, fb = qfuse.auto_fallback(last_prepared, valid_cos, max_drop=fallback_drop)
-    kept = ", ".join(sorted(fb.kept_float)) or "none"
-    results.append(
-        (
-            f"  + auto_fallback (valid. drop <= {fallback_drop})",
-            qmodel,
-            time.perf_counter() - t0,
-            f"float: {kept}",
-        )
-    )
+        if fallback:
+            qmodel, fb = qfuse.auto_fallback(prepared, valid_cos, max_drop=fallback_drop)
+            kept = ", ".join(sorted(fb.kept_float)) or "none"
+            label = f"  + auto_fallback ({len(fb.kept_float)} layers float)"
+            results.append((label, qmodel, f"float: {kept}"))
+            fallbacks.append((name, fb))
 
     bert = bert.to(dev)
     lat_batch = {k: v.to(dev) for k, v in held_batches[0].items()}
     rows = [dict(config="fp32", mean=1.0, min=1.0, ms=latency_ms(bert, lat_batch, dev), note="")]
-    for name, qmodel, _seconds, note in results:
+    for name, qmodel, note in results:
         qmodel = qmodel.to(dev)
         cos = cosines(
             qmodel, ref_held.to(dev), [{k: v.to(dev) for k, v in b.items()} for b in held_batches]
@@ -164,9 +157,11 @@ def run(device: str | None = None, fallback_drop: float = 0.0015, verbose: bool 
                 f"{r['config']:<48}{r['mean']:>10.5f}{r['min']:>10.5f}{r['ms']:>9.1f} ms  "
                 f"{r['note']}"
             )
-        print(
-            f"\nauto_fallback: {fb.evaluations} evaluations; validation mean cosine {fb.metric:.5f}"
-        )
+        for name, fb in fallbacks:
+            print(
+                f"auto_fallback on '{name}': validation mean-cosine drop <= {fallback_drop}, "
+                f"{fb.evaluations} evaluations, validation cos {fb.metric:.5f}"
+            )
     return rows
 
 

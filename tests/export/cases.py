@@ -26,18 +26,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Int8 all the way down."]
 
 
-def config_params() -> list:
-    """Every preset the export must round-trip; fp8 joins once ``QConfig.fp8_static`` exists."""
-    params = [
-        pytest.param(qfuse.QConfig.int8_static(), id="int8"),
-        pytest.param(qfuse.QConfig.int8_static_asymmetric(), id="int8-asym"),
-    ]
-    if hasattr(qfuse.QConfig, "fp8_static"):
-        params.append(pytest.param(qfuse.QConfig.fp8_static(), id="fp8"))
-    return params
-
-
-CONFIGS = config_params()
+# Every preset the export must round-trip.
+CONFIGS = [
+    pytest.param(qfuse.QConfig.int8_static(), id="int8"),
+    pytest.param(qfuse.QConfig.int8_static_asymmetric(), id="int8-asym"),
+    pytest.param(qfuse.QConfig.fp8_static(), id="fp8"),
+]
 # MiniLM is the slow case: symmetric int8 and fp8 only (asymmetric int8 adds no new file content).
 MINILM_CONFIGS = [p for p in CONFIGS if p.id in ("int8", "fp8")]
 SMALL = ["cnn", "mlp", "embed"]
@@ -86,13 +80,6 @@ class Case:
     qmodel: fx.GraphModule | None = None
     config: qfuse.QConfig | None = None
     extra: dict = field(default_factory=dict)
-
-    def keep_float(self, config: qfuse.QConfig) -> dict[str, str]:
-        """Layers to leave float under ``config``: fp8 has no Conv2d kernel, so the CNN runs its
-        convolutions in float and its Linears in fp8 (float state the file must carry too)."""
-        if self.name == "cnn" and config.dtype == torch.float8_e4m3fn:
-            return {"conv1": "fp8 Conv2d not implemented", "conv2": "fp8 Conv2d not implemented"}
-        return {}
 
     def runs(self) -> list[tuple[tuple, dict]]:
         return [(self.args, self.kwargs), self.other]
@@ -163,17 +150,13 @@ def minilm_case() -> Case:
 
 
 def quantize(case: Case, config: qfuse.QConfig, keep_float=None) -> fx.GraphModule:
-    """prepare -> calibrate -> convert; a config qfuse does not implement for this model skips."""
+    """prepare -> calibrate -> convert (every config here is implemented for every case)."""
     model = case.make_float(0)
-    keep_float = {**case.keep_float(config), **(keep_float or {})}
-    try:
-        prepared = qfuse.prepare(model, config, case.args, example_kwargs=case.kwargs)
-        with torch.no_grad():
-            for args, kwargs in case.calibration:
-                prepared(*args, **kwargs)
-        return qfuse.convert(prepared, keep_float=keep_float)
-    except qfuse.UnsupportedError as exc:
-        pytest.skip(f"qfuse does not implement this yet: {exc}")
+    prepared = qfuse.prepare(model, config, case.args, example_kwargs=case.kwargs)
+    with torch.no_grad():
+        for args, kwargs in case.calibration:
+            prepared(*args, **kwargs)
+    return qfuse.convert(prepared, keep_float=dict(keep_float or {}))
 
 
 def on_cuda(case: Case) -> tuple[fx.GraphModule, list[tuple[tuple, dict]]]:
