@@ -40,7 +40,11 @@ def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
     """
     x = x.to(torch.float32)
     amax = x.abs().amax(dim=1)
-    scale = torch.clamp(amax / (FP8_MAX if qdtype == FP8 else 127.5), min=SCALE_EPS)
+    # Tensor / tensor: PyTorch's CUDA kernel turns a division by a Python scalar into a multiply
+    # by its reciprocal (seen on an H200: int8_dynamic outputs then differed from the kernel's
+    # correctly rounded div_rn), which would make the reference device-dependent.
+    qmax = torch.full_like(amax, FP8_MAX if qdtype == FP8 else 127.5)
+    scale = torch.clamp(amax / qmax, min=SCALE_EPS)
     inv = torch.reciprocal(scale)[:, None]
     q = quantize_fp8(x, inv) if qdtype == FP8 else quantize_int8(x, inv, 0.0)
     return q, scale
