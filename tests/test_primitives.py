@@ -67,8 +67,12 @@ def test_range_always_includes_zero_and_scale_is_clamped():
     assert scale0.item() == pytest.approx(SCALE_EPS)
 
 
-def test_fake_quantize_error_is_bounded_by_half_a_step():
-    x = torch.randn(1000)
+@pytest.mark.parametrize("seed", range(20))
+def test_fake_quantize_error_is_bounded_by_half_a_step(seed):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
     scale, zp = choose_qparams(x.min(), x.max(), symmetric=True)
     err = (fake_quantize(x, scale, zp) - x).abs().max().item()
-    assert err <= scale.item() / 2 + 1e-7
+    # Half a step, plus the float32 rounding of the scale itself, which the edge value
+    # -128 * scale magnifies 128-fold (seen: 1.2e-5 relative over half a step).
+    s = scale.item()
+    assert err <= s / 2 + 128 * s * 2**-22
