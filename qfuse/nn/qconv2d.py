@@ -1,4 +1,4 @@
-"""QConv2d: a fused int8 / fp8 Conv2d (+folded BN bias, activation, residual, requant) as a module."""
+"""QConv2d: a fused int8 / fp8 Conv2d (+folded BN bias, activation, residual, requant)."""
 
 from __future__ import annotations
 
