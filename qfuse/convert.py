@@ -40,24 +40,30 @@ def _tensor(gm: fx.GraphModule, target: str | None) -> torch.Tensor | None:
     return (params[target] if target in params else gm.get_buffer(target)).detach()
 
 
-def _per_tensor_qparams(observer):
-    """Per-tensor qparams even from a per-channel (SmoothQuant) observer."""
-    if observer.channel_axis is None:
-        return observer.calculate_qparams()
-    observer.calculate_qparams()  # the same checks (calibrated, not all-zero) and messages
+def _per_tensor_qparams(observer, symmetric: bool):
+    """Per-tensor qparams, also from a per-channel (SmoothQuant) observer, and symmetric ones
+    from an affine observer when the layer needs them (fp8 is symmetric only)."""
+    qparams = observer.calculate_qparams()  # the checks (calibrated, not all-zero) and messages
+    if observer.channel_axis is None and symmetric == observer.symmetric:
+        return qparams
     lo, hi = observer.value_range()
-    return choose_qparams(lo.min(), hi.max(), symmetric=observer.symmetric)
+    return choose_qparams(lo.min(), hi.max(), symmetric=symmetric)
 
 
 class _Plan:
     """Float weights, input qparams and prologue vectors per chain, after SmoothQuant."""
 
-    def __init__(self, gm, state, chains, observers):
+    def __init__(self, gm, state, chains, observers, dtypes):
+        self.dtypes = dtypes  # chain name -> torch.int8 | torch.float8_e4m3fn
         self.weights = {c.name: _tensor(gm, c.weight).float() for c in chains}
         self.biases = {c.name: _tensor(gm, c.bias) for c in chains}
         self.biases = {k: (b.float() if b is not None else None) for k, b in self.biases.items()}
         mods = {src: gm.get_submodule(name) for src, name in observers.items()}
-        self.x_qparams = {c.name: _per_tensor_qparams(mods[c.input]) for c in chains}
+        fp8 = {c.name for c in chains if dtypes[c.name] == torch.float8_e4m3fn}
+        self.x_qparams = {
+            c.name: _per_tensor_qparams(mods[c.input], mods[c.input].symmetric or c.name in fp8)
+            for c in chains
+        }
         self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
         by_name = {c.name: c for c in chains}
         readers: dict[str, list[Chain]] = {}
@@ -73,7 +79,7 @@ class _Plan:
                 torch.maximum(lo.abs(), hi.abs()), self.weights[name], state.smoothquant.alpha
             )
             self.weights[name] = self.weights[name] * s[None, :]
-            self.x_qparams[name] = smoothed_qparams(lo, hi, s, obs.symmetric)
+            self.x_qparams[name] = smoothed_qparams(lo, hi, s, obs.symmetric or name in fp8)
             producer = next((c for c in chains if c.output == chain.input), None)
             if producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1:
                 self.weights[producer.name] = self.weights[producer.name] / s[:, None]
@@ -98,6 +104,8 @@ def _handoff_readers(chain, readers_of, nodes, observers, plan) -> list[Chain]:
         return []
     if any(r.name in plan.prologue for r in readers):
         return []
+    if any(plan.dtypes[r.name] != plan.dtypes[chain.name] for r in readers):
+        return []  # an int8 layer cannot hand fp8 to an fp8 one (or the reverse)
     scales = {(float(plan.x_qparams[r.name][0]), int(plan.x_qparams[r.name][1])) for r in readers}
     return readers if len(scales) == 1 else []
 
@@ -106,7 +114,8 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     scale, zp = plan.x_qparams[chain.name]
     out_scale, out_zp = out_qparams if out_qparams else (None, None)
     prologue = plan.prologue.get(chain.name)
-    fp8 = config.dtype == torch.float8_e4m3fn
+    dtype = plan.dtypes[chain.name]
+    fp8 = dtype == torch.float8_e4m3fn
     if config.is_dynamic and chain.kind != "linear":
         raise UnsupportedError(
             f"layer {chain.name}: Conv2d is quantized with static scales only; use a static "
@@ -140,9 +149,9 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     )
     weight, bias = plan.weights[chain.name], plan.biases[chain.name]
     if chain.kind == "linear":
-        module = QLinear.from_float(weight, bias, dtype=config.dtype, **common)
+        module = QLinear.from_float(weight, bias, dtype=dtype, **common)
     else:
-        module = QConv2d.from_float(weight, bias, **chain.conv, dtype=config.dtype, **common)
+        module = QConv2d.from_float(weight, bias, **chain.conv, dtype=dtype, **common)
     if prologue is not None:
         module.x_inv_scale = prologue.to(module.weight.device)
     return module
@@ -179,21 +188,32 @@ def convert(
     prepared: fx.GraphModule,
     inplace: bool = False,
     keep_float: Mapping[str, str] | None = None,
+    layer_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> fx.GraphModule:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
     ``keep_float`` maps layer names to the reason they stay in float (mixed precision, e.g. from
-    ``qfuse.auto_fallback``); ``qfuse.summary`` shows the reason. Raises ``CalibrationError``
+    ``qfuse.auto_fallback``); ``qfuse.summary`` shows the reason. ``layer_dtypes`` gives layers
+    another quantized dtype than the config's (``torch.int8`` / ``torch.float8_e4m3fn``: fp8 for
+    the layers int8 serves worst keeps them fused and fast); int8 and fp8 layers exchange float.
+    Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
     """
     state = _state(prepared)
     keep_float = dict(keep_float or {})
-    unknown = sorted(set(keep_float) - {c.name for c in state.chains})
+    layer_dtypes = dict(layer_dtypes or {})
+    unknown = sorted((set(keep_float) | set(layer_dtypes)) - {c.name for c in state.chains})
     if unknown:
         raise QFuseError(
-            f"keep_float names layers that are not fusible chains of this model: {unknown}; "
+            f"keep_float/layer_dtypes name layers that are not fusible chains: {unknown}; "
             "use the names in qfuse.summary(prepared)."
+        )
+    bad = {n: d for n, d in layer_dtypes.items() if d not in QUANT_NAMES}
+    if bad:
+        raise UnsupportedError(
+            f"layer_dtypes {bad}: a layer is quantized to torch.int8 or torch.float8_e4m3fn "
+            "(use keep_float to leave it in float)."
         )
     with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
         warnings.simplefilter("ignore", FutureWarning)
@@ -207,7 +227,8 @@ def convert(
     nodes = {n.name: n for n in gm.graph.nodes}
     observers = state.observers
     chains = [c for c in state.chains if c.name not in keep_float]
-    plan = _Plan(gm, state, chains, observers)
+    dtypes = {c.name: layer_dtypes.get(c.name, state.config.dtype) for c in chains}
+    plan = _Plan(gm, state, chains, observers, dtypes)
 
     readers_of: dict[str, list[Chain]] = {}
     for chain in chains:

@@ -1,9 +1,11 @@
-"""``qfuse.auto_fallback``: the fewest float layers that keep the metric drop within budget.
+"""``qfuse.auto_fallback``: the fewest layers to take out of int8 to keep the metric drop within
+budget — back to float, or (``fallback="fp8"``) to fp8, which keeps them fused and fast.
 
 Deterministic search: rank layers by their own sensitivity (``qfuse.sensitivity``), find the
-shortest prefix of that ranking whose float fallback meets the budget (binary search, assuming
-more float layers never hurt), then try to re-quantize each kept layer, least sensitive first, and
-keep it quantized if the budget still holds. Every kept layer's reason lands in ``qfuse.summary``.
+shortest prefix of that ranking whose fallback meets the budget (binary search, assuming more
+fallback layers never hurt), then try to re-quantize each of them, least sensitive first, and
+keep it quantized if the budget still holds. Every fallback layer's reason lands in
+``qfuse.summary``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import torch
 from torch import fx
 
 from qfuse.convert import convert
+from qfuse.errors import QFuseError
 from qfuse.observers.base import observers_disabled
 from qfuse.sensitivity import SensitivityReport, sensitivity
+from qfuse.state import get_state
+
+FALLBACKS = ("float", "fp8")
 
 
 @dataclass
@@ -24,10 +30,15 @@ class FallbackResult:
     baseline: float
     metric: float  # of the returned model
     max_drop: float
-    kept_float: dict[str, str]
+    fallback: str  # "float" | "fp8"
+    fallback_layers: dict[str, str]  # layer -> why it left int8
     evaluations: int
     report: SensitivityReport
     trace: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+
+    @property
+    def kept_float(self) -> dict[str, str]:
+        return self.fallback_layers if self.fallback == "float" else {}
 
 
 @torch.no_grad()
@@ -39,11 +50,27 @@ def auto_fallback(
     higher_is_better: bool = True,
     data: Iterable | None = None,
     report: SensitivityReport | None = None,
+    fallback: str = "float",
 ) -> tuple[fx.GraphModule, FallbackResult]:
-    """Convert ``prepared`` keeping the fewest layers float such that the metric drop <= max_drop.
+    """Convert ``prepared`` with the fewest layers moved out of the config's precision (to float,
+    or to fp8 with ``fallback="fp8"``) such that the metric drop <= max_drop.
 
     Returns ``(qmodel, FallbackResult)``. Pass a ``report`` from ``qfuse.sensitivity`` to reuse it.
     """
+    if fallback not in FALLBACKS:
+        raise QFuseError(f"fallback={fallback!r}: choose one of {FALLBACKS}.")
+    if fallback == "fp8" and get_state(prepared).config.dtype == torch.float8_e4m3fn:
+        raise QFuseError("fallback='fp8' moves int8 layers to fp8; this config is already fp8.")
+
+    def convert_with(layers: dict[str, str]):
+        if fallback == "float":
+            return convert(prepared, keep_float=layers)
+        qmodel = convert(prepared, layer_dtypes={n: torch.float8_e4m3fn for n in layers})
+        for record in get_state(qmodel).layers:
+            if record.name in layers:
+                record.note = "; ".join(filter(None, [record.note, layers[record.name]]))
+        return qmodel
+
     with observers_disabled(prepared):
         baseline = eval_fn(prepared)
     trace: list[tuple[tuple[str, ...], float]] = []
@@ -52,11 +79,19 @@ def auto_fallback(
         return (baseline - metric) if higher_is_better else (metric - baseline)
 
     def evaluate(kept: tuple[str, ...]) -> float:
-        qmodel = convert(prepared, keep_float={n: "candidate" for n in kept})
-        metric = eval_fn(qmodel)
+        metric = eval_fn(convert_with({n: "candidate" for n in kept}))
         trace.append((kept, metric))
         return metric
 
+    # Cheap check first: the sensitivity pass below converts every layer once.
+    if (
+        fallback == "fp8"
+        and drop_of(evaluate(tuple(c.name for c in get_state(prepared).chains))) > max_drop
+    ):
+        raise QFuseError(
+            f"auto_fallback: even with every layer in fp8 the metric drops by more than "
+            f"{max_drop}; use fallback='float', or a larger max_drop."
+        )
     if report is None:
         report = sensitivity(
             prepared, data=data, eval_fn=eval_fn, higher_is_better=higher_is_better
@@ -64,7 +99,8 @@ def auto_fallback(
     ranking = [r.name for r in report.ranked()]
     rank_of = {r.name: (i, r) for i, r in enumerate(report.ranked())}
 
-    # Shortest prefix of the ranking that meets the budget (prefix of all layers always does).
+    # Shortest prefix of the ranking that meets the budget. All layers in float always does (it is
+    # the baseline); all in fp8 was checked above.
     lo, hi = 0, len(ranking)
     metrics = {}
     while lo < hi:
@@ -90,11 +126,13 @@ def auto_fallback(
             else (f"alone it gives {row.sqnr_db:.1f} dB output SQNR")
         )
         reasons[name] = (
-            f"auto_fallback: sensitivity rank {i + 1}/{len(ranking)}, {alone}; "
+            f"auto_fallback to {fallback}: sensitivity rank {i + 1}/{len(ranking)}, {alone}; "
             f"needed for drop <= {max_drop}"
         )
-    qmodel = convert(prepared, keep_float=reasons)
+    qmodel = convert_with(reasons)
     metric = eval_fn(qmodel)
     evaluations = len(trace) + 1 + len(report.rows)
-    result = FallbackResult(baseline, metric, max_drop, reasons, evaluations, report, trace)
+    result = FallbackResult(
+        baseline, metric, max_drop, fallback, reasons, evaluations, report, trace
+    )
     return qmodel, result

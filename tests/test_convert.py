@@ -164,3 +164,27 @@ def test_fp8_static_convnet_uses_fp8_convolutions():
     assert qmodel.get_submodule("conv1").out_dtype == torch.float8_e4m3fn  # fp8 handoff
     with torch.no_grad():
         assert sqnr_db(model(x), qmodel(x)) > 20
+
+
+def test_layer_dtypes_mix_int8_and_fp8_layers():
+    torch.manual_seed(0)
+    model = MLPBlock().eval()
+    x = torch.randn(8, 32)
+    prepared = qfuse.prepare(model, qfuse.QConfig(symmetric=False), (x,))
+    prepared(x)
+    qmodel = qfuse.convert(prepared, layer_dtypes={"down": torch.float8_e4m3fn})
+    up, down = qmodel.get_submodule("up"), qmodel.get_submodule("down")
+    assert up.weight.dtype == torch.int8 and down.weight.dtype == torch.float8_e4m3fn
+    assert up.out_dtype == torch.float32  # no int8 -> fp8 handoff
+    assert down.x_zero_point is None  # fp8 is symmetric even under an affine config
+    rows = {r["name"]: r for r in qfuse.summary(qmodel).rows}
+    assert rows["up"]["precision"] == "int8" and rows["down"]["precision"] == "fp8_e4m3"
+    with torch.no_grad():
+        assert sqnr_db(model(x), qmodel(x)) > 25
+
+
+def test_layer_dtypes_reject_float_dtypes():
+    prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
+    prepared(torch.randn(2, 32))
+    with pytest.raises(qfuse.UnsupportedError, match="keep_float"):
+        qfuse.convert(prepared, layer_dtypes={"up": torch.bfloat16})

@@ -83,3 +83,28 @@ def test_sensitivity_needs_something_to_measure():
     with pytest.raises(qfuse.QFuseError, match="data"):
         qfuse.sensitivity(prepared)
     assert math.isinf(output_sqnr_db([torch.ones(3)], [torch.ones(3)]))
+
+
+def test_auto_fallback_to_fp8_moves_the_planted_layer_and_keeps_it_fused():
+    model = planted_model()
+    x = torch.randn(64, 16)
+    prepared = calibrated(model, x)
+    with torch.no_grad():
+        ref = model(x)
+
+    def eval_fn(m):
+        with torch.no_grad():
+            return min(output_sqnr_db([ref], [m(x)]), 100.0)
+
+    qmodel, result = qfuse.auto_fallback(prepared, eval_fn, max_drop=75.0, fallback="fp8")
+    assert list(result.fallback_layers) == ["4"] and result.kept_float == {}
+    assert result.metric >= 25.0
+    rows = {r["name"]: r for r in qfuse.summary(qmodel).rows}
+    assert rows["4"]["precision"] == "fp8_e4m3" and "auto_fallback to fp8" in rows["4"]["note"]
+    assert all(rows[n]["precision"] == "int8" for n in ("0", "2", "6"))
+
+
+def test_auto_fallback_rejects_unknown_mode():
+    prepared = calibrated(planted_model(), torch.randn(8, 16))
+    with pytest.raises(qfuse.QFuseError, match="fallback"):
+        qfuse.auto_fallback(prepared, lambda m: 1.0, 0.0, fallback="int4")
