@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from qfuse.errors import QFuseError, UnsupportedError
+from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
@@ -34,10 +35,7 @@ def _state(model) -> QFuseState:
 
 
 def _tensor(gm: fx.GraphModule, target: str | None) -> torch.Tensor | None:
-    if target is None:
-        return None
-    params = dict(gm.named_parameters())
-    return (params[target] if target in params else gm.get_buffer(target)).detach()
+    return attr_tensor(gm, target).detach() if target is not None else None
 
 
 def _per_tensor_qparams(observer, symmetric: bool):

@@ -92,7 +92,8 @@ def auto_fallback(
             f"auto_fallback: even with every layer in fp8 the metric drops by more than "
             f"{max_drop}; use fallback='float', or a larger max_drop."
         )
-    if report is None:
+    computed_report = report is None
+    if computed_report:
         report = sensitivity(
             prepared, data=data, eval_fn=eval_fn, higher_is_better=higher_is_better
         )
@@ -131,7 +132,8 @@ def auto_fallback(
         )
     qmodel = convert_with(reasons)
     metric = eval_fn(qmodel)
-    evaluations = len(trace) + 1 + len(report.rows)
+    # the searches, the final model, and the sensitivity pass if this call ran it
+    evaluations = len(trace) + 1 + (len(report.rows) if computed_report else 0)
     result = FallbackResult(
         baseline, metric, max_drop, fallback, reasons, evaluations, report, trace
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qfuse.errors import QFuseError
+from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.state import get_state
 
 IMPLS = ("int8", "bf16")
@@ -133,9 +134,7 @@ def layer_shapes(prepared, tokens: int) -> dict[str, tuple[int, int, int]]:
     for chain in state.chains:
         if chain.kind != "linear":
             continue
-        target = dict(prepared.named_parameters()).get(chain.weight)
-        weight = target if target is not None else prepared.get_buffer(chain.weight)
-        N, K = weight.shape
+        N, K = attr_tensor(prepared, chain.weight).shape
         shapes[chain.name] = (tokens, K, N)
     return shapes
 

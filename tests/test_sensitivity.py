@@ -108,3 +108,11 @@ def test_auto_fallback_rejects_unknown_mode():
     prepared = calibrated(planted_model(), torch.randn(8, 16))
     with pytest.raises(qfuse.QFuseError, match="fallback"):
         qfuse.auto_fallback(prepared, lambda m: 1.0, 0.0, fallback="int4")
+
+
+def test_evaluation_count_excludes_a_reused_report():
+    x = torch.randn(16, 16)
+    prepared = calibrated(planted_model(), x)
+    _, first = qfuse.auto_fallback(prepared, lambda m: 1.0, max_drop=0.0, data=[x])
+    _, again = qfuse.auto_fallback(prepared, lambda m: 1.0, max_drop=0.0, report=first.report)
+    assert first.evaluations - again.evaluations == len(first.report.rows)

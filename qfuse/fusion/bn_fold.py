@@ -13,7 +13,7 @@ import operator
 import torch
 from torch import fx
 
-from qfuse.fusion.graph_utils import erase_if_dead
+from qfuse.fusion.graph_utils import attr_tensor, erase_if_dead
 
 aten = torch.ops.aten
 _BN_OPS = (aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default)
@@ -24,17 +24,7 @@ def _get(gm: fx.GraphModule, node) -> torch.Tensor | None:
         return None
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         raise ValueError("not a parameter")
-    return (
-        gm.get_parameter(node.target) if _is_param(gm, node.target) else gm.get_buffer(node.target)
-    )
-
-
-def _is_param(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
+    return attr_tensor(gm, node.target)
 
 
 def _bn_output(bn: fx.Node) -> fx.Node | None:

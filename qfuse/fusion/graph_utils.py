@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 
@@ -19,6 +20,12 @@ def erase_if_dead(gm: fx.GraphModule, nodes) -> None:
             if not attr.users:
                 drop_attr(gm, attr.target)
                 gm.graph.erase_node(attr)
+
+
+def attr_tensor(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    """The parameter, buffer or plain tensor attribute a ``get_attr`` target names."""
+    owner, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, leaf)
 
 
 def drop_attr(gm: fx.GraphModule, target: str) -> None:
