@@ -1,10 +1,10 @@
 """qfuse: quantization-aware fusion for PyTorch.
 
-    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
-    for batch in calibration_batches:
-        prepared(batch)
-    qmodel = qfuse.convert(prepared)
-    print(qfuse.summary(qmodel))
+prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
+for batch in calibration_batches:
+    prepared(batch)
+qmodel = qfuse.convert(prepared)
+print(qfuse.summary(qmodel))
 """
 
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
@@ -20,6 +20,7 @@ from qfuse.errors import (
 )
 from qfuse.export import export_program, export_torchscript, load, save
 from qfuse.fallback import FallbackResult, auto_fallback
+from qfuse.gptq import GPTQ
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.prepare import prepare
 from qfuse.routing import CostModel, route
@@ -45,6 +46,7 @@ __all__ = [
     "SensitivityReport",
     "ShapeError",
     "SmoothQuant",
+    "GPTQ",
     "Summary",
     "UnsupportedError",
     "auto_fallback",

@@ -14,12 +14,14 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
+from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
+from qfuse.gptq import round_layer
 from qfuse.nn import QConv2d, QLinear
-from qfuse.primitives import choose_qparams, inverse
+from qfuse.primitives import choose_qparams, inverse, weight_scale
 from qfuse.smoothquant import factors, smoothed_qparams
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
 
@@ -51,7 +53,7 @@ def _per_tensor_qparams(observer, symmetric: bool):
 class _Plan:
     """Float weights, input qparams and prologue vectors per chain, after SmoothQuant."""
 
-    def __init__(self, gm, state, chains, observers, dtypes):
+    def __init__(self, gm, state, chains, observers, dtypes, hessians):
         self.dtypes = dtypes  # chain name -> torch.int8 | torch.float8_e4m3fn
         self.weights = {c.name: _tensor(gm, c.weight).float() for c in chains}
         self.biases = {c.name: _tensor(gm, c.bias) for c in chains}
@@ -63,6 +65,8 @@ class _Plan:
             for c in chains
         }
         self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
+        self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
+        self.weight_scales = {}  # chain name -> the scale GPTQ rounded against
         by_name = {c.name: c for c in chains}
         readers: dict[str, list[Chain]] = {}
         for c in chains:
@@ -77,6 +81,7 @@ class _Plan:
                 torch.maximum(lo.abs(), hi.abs()), self.weights[name], state.smoothquant.alpha
             )
             self.weights[name] = self.weights[name] * s[None, :]
+            self.smoothing[name] = s
             self.x_qparams[name] = smoothed_qparams(lo, hi, s, obs.symmetric or name in fp8)
             producer = next((c for c in chains if c.output == chain.input), None)
             if producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1:
@@ -85,6 +90,20 @@ class _Plan:
                     self.biases[producer.name] = self.biases[producer.name] / s
             else:
                 self.prologue[name] = (inverse(s) * inverse(self.x_qparams[name][0])).float()
+        per_channel = isinstance(state.config.weight_granularity, PerChannel)
+        for c in chains:
+            if c.name in hessians:  # after SmoothQuant: GPTQ rounds the weights that ship
+                scale = weight_scale(self.weights[c.name], dtypes[c.name], per_channel)
+                self.weights[c.name] = round_layer(
+                    hessians[c.name],
+                    c.name,
+                    self.weights[c.name],
+                    scale,
+                    dtypes[c.name],
+                    state.gptq,
+                    self.smoothing.get(c.name),
+                )
+                self.weight_scales[c.name] = scale
 
 
 def _handoff_readers(chain, readers_of, nodes, observers, plan) -> list[Chain]:
@@ -138,7 +157,8 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     common = dict(
         x_scale=scale,
         x_zero_point=zp,
-        per_channel=config.weight_granularity.__class__.__name__ == "PerChannel",
+        per_channel=isinstance(config.weight_granularity, PerChannel),
+        weight_scale=plan.weight_scales.get(chain.name),
         activation=chain.activation,
         input_quantized=input_quantized,
         out_scale=out_scale,
@@ -226,7 +246,14 @@ def convert(
     observers = state.observers
     chains = [c for c in state.chains if c.name not in keep_float]
     dtypes = {c.name: layer_dtypes.get(c.name, state.config.dtype) for c in chains}
-    plan = _Plan(gm, state, chains, observers, dtypes)
+    # GPTQ reads the statistics on the caller's prepared model (its cache survives this copy).
+    hessians = {
+        c.name: prepared.get_submodule(state.hessians[c.name])
+        for c in chains
+        if c.name in state.hessians
+    }
+    plan = _Plan(gm, state, chains, observers, dtypes, hessians)
+    remove_observers(gm, set(state.hessians.values()))  # anchors read their observers again
 
     readers_of: dict[str, list[Chain]] = {}
     for chain in chains:
@@ -248,6 +275,8 @@ def convert(
         if chain.name in state.smoothed:
             where = "prologue" if chain.name in plan.prologue else "folded into producer"
             notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
+        if chain.name in plan.weight_scales:
+            notes.append(state.gptq.describe())
         layers.append(
             _record(
                 chain,
@@ -265,6 +294,6 @@ def convert(
         if c.name in keep_float
     ]
     state.skipped = kept + list(state.skipped)
-    state.stage, state.layers, state.observers = "converted", layers, {}
+    state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)
     return gm

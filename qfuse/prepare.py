@@ -11,8 +11,12 @@ from qfuse.capture import capture
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.bn_fold import fold_batchnorm
-from qfuse.fusion.patterns import find_chains
+from qfuse.fusion.graph_utils import attr_tensor
+from qfuse.fusion.patterns import Chain, find_chains
+from qfuse.gptq import GPTQ
+from qfuse.gptq import select as gptq_select
 from qfuse.observers import make_observer
+from qfuse.observers.hessian import InputHessian
 from qfuse.smoothquant import SmoothQuant
 from qfuse.smoothquant import select as smoothquant_select
 from qfuse.state import QFuseState, set_state
@@ -27,6 +31,44 @@ def _check_supported(config) -> None:
 
 def _observer_name(node_name: str) -> str:
     return f"qfuse_observer_{node_name}"
+
+
+def _geometry(gm: fx.GraphModule, chain: Chain) -> tuple:
+    """What the rows of a chain's input Hessian are: Linear rows, or one Conv2d's patches."""
+    if chain.kind == "linear":
+        return ("linear",)
+    c, kernel = chain.conv, tuple(attr_tensor(gm, chain.weight).shape[2:])
+    return ("conv2d", kernel, *(tuple(c[k]) for k in ("stride", "padding", "dilation")))
+
+
+def _insert_hessians(gm: fx.GraphModule, chains: list[Chain], gptq: GPTQ) -> dict[str, str]:
+    """An ``InputHessian`` between each GPTQ layer's observer and the layer (one per input and
+    row geometry: q/k/v share one). Returns chain name -> Hessian module name."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    picked = set(gptq_select(chains, gptq))
+    by_key: dict[tuple, list[Chain]] = {}
+    for chain in chains:
+        if chain.name in picked:
+            by_key.setdefault((chain.input, _geometry(gm, chain)), []).append(chain)
+    hessians = {}
+    for i, ((_, geometry), readers) in enumerate(by_key.items()):
+        name = f"qfuse_hessian_{readers[0].input}" + (f"_{i}" if geometry[0] != "linear" else "")
+        conv = None
+        if geometry[0] == "conv2d":
+            keys = ("kernel_size", "stride", "padding", "dilation")
+            conv = dict(zip(keys, geometry[1:], strict=True))
+        gm.add_submodule(
+            name,
+            InputHessian(layer_name=f"{', '.join(r.name for r in readers)} (input)", conv=conv),
+        )
+        observed = nodes[readers[0].anchor].args[0]  # the observer node every reader reads
+        with gm.graph.inserting_after(observed):
+            node = gm.graph.call_module(name, (observed,))
+        for reader in readers:
+            anchor = nodes[reader.anchor]
+            anchor.args = (node, *anchor.args[1:])
+            hessians[reader.name] = name
+    return hessians
 
 
 def config_for(name: str, config: QConfig, layer_configs: Mapping[str, QConfig] | None) -> QConfig:
@@ -45,6 +87,7 @@ def prepare(
     dynamic_shapes=None,
     layer_configs: Mapping[str, QConfig] | None = None,
     smoothquant: SmoothQuant | None = None,
+    gptq: GPTQ | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` and insert observers in front of every fusible Linear/Conv2d chain.
 
@@ -54,7 +97,8 @@ def prepare(
     whose observer and activation scheme those layers use (first match wins); layers reading one
     shared input share one observer, configured by the first of them. ``smoothquant`` enables
     SmoothQuant (``qfuse.SmoothQuant(alpha=...)``): inputs of the smoothed layers get per-channel
-    MinMax observers, whose statistics the smoothing factors need.
+    MinMax observers, whose statistics the smoothing factors need. ``gptq`` (``qfuse.GPTQ()``)
+    also records each layer's input Hessian, and convert rounds the weights with GPTQ.
 
     Example:
         >>> import torch, qfuse
@@ -103,8 +147,10 @@ def prepare(
             if reader.input == chain.input:
                 anchor = nodes[reader.anchor]
                 anchor.args = (obs_node, *anchor.args[1:])
+    hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
     state.smoothquant, state.smoothed = smoothquant, smoothed
+    state.gptq, state.hessians = gptq, hessians
     set_state(gm, state)
     return gm

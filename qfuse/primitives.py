@@ -100,33 +100,61 @@ def dequantize(
     return (q.float() - zp) * scale
 
 
-def quantize_weight(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 weight in [-127, 127] with a float32 scale per output channel (or one).
-
-    Returns ``(q, scale)`` where ``scale`` always has one entry per output channel, so the
-    kernels never special-case per-tensor weights.
-    """
-    w = weight.detach().float()
-    flat = w.reshape(w.shape[0], -1)
+def weight_scale(weight: torch.Tensor, dtype: torch.dtype, per_channel: bool) -> torch.Tensor:
+    """The float32 symmetric weight scale, one entry per output channel (the same value repeated
+    for per-tensor weights, so the kernels never special-case them): ``amax / 127`` for int8
+    ([-127, 127]), ``amax / 448`` for float8 e4m3."""
+    flat = weight.detach().float().reshape(weight.shape[0], -1)
+    if dtype == torch.float8_e4m3fn:
+        amax = flat.abs().amax(dim=1) if per_channel else flat.abs().amax().expand(flat.shape[0])
+        return torch.clamp(amax / FP8_E4M3_MAX, min=SCALE_EPS).to(torch.float32)
     if per_channel:
         lo, hi = flat.amin(dim=1), flat.amax(dim=1)
     else:
-        lo, hi = flat.amin().expand(w.shape[0]), flat.amax().expand(w.shape[0])
+        lo, hi = flat.amin().expand(flat.shape[0]), flat.amax().expand(flat.shape[0])
     scale, _ = choose_qparams(lo, hi, symmetric=True, qmin=WEIGHT_INT8_MIN, qmax=WEIGHT_INT8_MAX)
-    q = quantize(w, scale, 0, qmin=WEIGHT_INT8_MIN, qmax=WEIGHT_INT8_MAX, axis=0)
-    return q, scale
+    return scale
 
 
-def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool):
+def weight_codes(w: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The grid value (in units of the scale) that weights ``w`` round to, as float32:
+    ``clamp(round(w * inv), -127, 127)`` for int8, the nearest e4m3 value for fp8 (round half
+    to even both). ``inv_scale`` broadcasts against ``w``; GPTQ rounds one column at a time with
+    this, so its result is exactly what ``quantize_weight*`` store."""
+    v = w.float() * inv_scale
+    if dtype == torch.float8_e4m3fn:
+        v = torch.clamp(v, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return v.to(torch.float8_e4m3fn).to(torch.float32)
+    return torch.clamp(torch.round(v), WEIGHT_INT8_MIN, WEIGHT_INT8_MAX)
+
+
+def _quantize_weight_as(weight, dtype, per_channel, scale):
+    if scale is None:
+        scale = weight_scale(weight, dtype, per_channel)
+    scale = scale.to(device=weight.device, dtype=torch.float32)
+    flat = weight.detach().float().reshape(weight.shape[0], -1)
+    codes = weight_codes(flat, torch.reciprocal(scale)[:, None], dtype).reshape(weight.shape)
+    return codes.to(dtype), scale
+
+
+def quantize_weight(
+    weight: torch.Tensor, per_channel: bool, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weight in [-127, 127] with a float32 scale per output channel (or one).
+
+    Returns ``(q, scale)`` where ``scale`` always has one entry per output channel, so the
+    kernels never special-case per-tensor weights. ``scale`` given (GPTQ fixes it before it
+    rounds) is used as is.
+    """
+    return _quantize_weight_as(weight, torch.int8, per_channel, scale)
+
+
+def quantize_weight_fp8(weight: torch.Tensor, per_channel: bool, scale: torch.Tensor | None = None):
     """float8 e4m3 weight with a float32 scale per output channel (``amax / 448``).
 
-    Same shape contract as ``quantize_weight``: one scale entry per output channel.
+    Same contract as ``quantize_weight``: one scale entry per output channel.
     """
-    w = weight.detach().float().reshape(weight.shape[0], -1)
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
-    scale = torch.clamp(amax / FP8_E4M3_MAX, min=SCALE_EPS).to(torch.float32)
-    v = torch.clamp(w * torch.reciprocal(scale)[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return v.to(torch.float8_e4m3fn).reshape(weight.shape), scale
+    return _quantize_weight_as(weight, torch.float8_e4m3fn, per_channel, scale)
 
 
 def fake_quantize(

@@ -34,6 +34,8 @@ class QFuseState:
     folded_batchnorms: list[str] = field(default_factory=list)
     smoothquant: object | None = None  # qfuse.smoothquant.SmoothQuant when enabled
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
+    gptq: object | None = None  # qfuse.gptq.GPTQ when enabled
+    hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
 
 
 def get_state(model) -> QFuseState | None:

@@ -35,6 +35,24 @@ class ConvNet(nn.Module):
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
+class LNBlock(nn.Module):
+    """Post-LN style: the LayerNorm output feeds a Linear and the residual, and one LN channel
+    carries a large outlier (as BERT's do)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)  # fed directly by fc: smoothing folds into fc's rows
+        with torch.no_grad():
+            self.ln.weight[3] = 60.0
+            self.ln.weight[17] = -40.0
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.fc2(self.fc(h)) + h
+
+
 def randomize_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
     """Non-trivial running statistics, so folding BN actually changes the weights."""
     g = torch.Generator().manual_seed(seed)

@@ -1,28 +1,9 @@
 import pytest
 import torch
-from torch import nn
 
 import qfuse
 from qfuse.smoothquant import factors
-from tests.models import sqnr_db
-
-
-class LNBlock(nn.Module):
-    """Post-LN style: the LayerNorm output feeds a Linear and the residual, and one LN channel
-    carries a large outlier (as BERT's do)."""
-
-    def __init__(self, d=64):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, d)
-        self.fc2 = nn.Linear(d, d)  # fed directly by fc: smoothing folds into fc's rows
-        with torch.no_grad():
-            self.ln.weight[3] = 60.0
-            self.ln.weight[17] = -40.0
-
-    def forward(self, x):
-        h = self.ln(x)
-        return self.fc2(self.fc(h)) + h
+from tests.models import LNBlock, sqnr_db
 
 
 def quantize(model, x, **kw):

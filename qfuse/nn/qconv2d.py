@@ -60,6 +60,7 @@ class QConv2d(QuantizedModule):
         out_zero_point: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.float32,
         dtype: torch.dtype = torch.int8,
+        weight_scale: torch.Tensor | None = None,
     ) -> QConv2d:
         out_c, in_c_per_group, kh, kw = weight.shape
         mod = cls(in_c_per_group * groups, out_c, (kh, kw), groups)
@@ -67,7 +68,7 @@ class QConv2d(QuantizedModule):
         if dtype not in (torch.int8, torch.float8_e4m3fn):
             raise UnsupportedError(f"QConv2d dtype {dtype}: use torch.int8 or float8_e4m3fn.")
         quantize = quantize_weight_fp8 if dtype == torch.float8_e4m3fn else quantize_weight
-        q, w_scale = quantize(weight, per_channel)
+        q, w_scale = quantize(weight, per_channel, weight_scale)
         mod.weight, mod.weight_scale = q, w_scale
         mod._set_qparams("x", x_scale, x_zero_point)
         mod.scale = (mod.x_scale * w_scale).to(torch.float32)

@@ -72,13 +72,15 @@ class QLinear(QuantizedModule):
         out_scale: torch.Tensor | None = None,
         out_zero_point: torch.Tensor | None = None,
         out_dtype: torch.dtype = torch.float32,
+        weight_scale: torch.Tensor | None = None,
     ) -> QLinear:
         """Quantize ``weight`` (symmetric ``dtype``: int8 or float8_e4m3fn) and fold a static
         ``x_scale`` into the per-channel scale; ``x_scale=None`` quantizes activations per token
         at run time (dynamic; no zero point).
 
         ``out_dtype`` int8 / float8_e4m3fn requantizes the output with ``out_scale`` (and
-        ``out_zero_point`` for int8) — the next layer's static input scale.
+        ``out_zero_point`` for int8) — the next layer's static input scale. ``weight_scale``
+        (one per output channel) replaces the amax scale: GPTQ rounds against a fixed scale.
         """
         if dtype not in (torch.int8, FP8):
             raise UnsupportedError(f"QLinear dtype {dtype}: use torch.int8 or float8_e4m3fn.")
@@ -87,10 +89,8 @@ class QLinear(QuantizedModule):
                 "QLinear: a dynamic (x_scale=None) layer takes float input and no zero point."
             )
         mod = cls(weight.shape[1], weight.shape[0])
-        if dtype == FP8:
-            q, w_scale = quantize_weight_fp8(weight, per_channel)
-        else:
-            q, w_scale = quantize_weight(weight, per_channel)
+        quantize = quantize_weight_fp8 if dtype == FP8 else quantize_weight
+        q, w_scale = quantize(weight, per_channel, weight_scale)
         mod.weight = q
         mod.weight_scale = w_scale
         mod._set_qparams("x", x_scale, x_zero_point)

@@ -20,7 +20,39 @@ from qfuse.errors import CalibrationError
 from qfuse.primitives import INT8_MAX, INT8_MIN, choose_qparams
 
 
-class Observer(nn.Module, metaclass=abc.ABCMeta):
+class Recorder(nn.Module):
+    """An identity module that records statistics of what passes through it during calibration.
+
+    ``enabled`` off makes it a pure identity (evaluating a prepared model must not calibrate).
+    Buffers whose shape only the first batch fixes adopt the shapes of a calibrated state dict,
+    so one loads into a fresh recorder (as torch.ao's observers do).
+    """
+
+    def __init__(self, layer_name: str) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        self.enabled = True
+
+    def _check_finite(self, x: torch.Tensor, batch: int) -> None:
+        if not bool(torch.isfinite(x).all()):
+            bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
+            raise CalibrationError(
+                f"{self.layer_name}: calibration batch {batch} contains {bad}. "
+                "Clean the calibration data (or find the op that overflows upstream) and run the "
+                "calibration again; a non-finite range would give a meaningless scale."
+            )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name, buf in self._buffers.items():
+            incoming = state_dict.get(prefix + name)
+            if buf is not None and incoming is not None and incoming.shape != buf.shape:
+                self._buffers[name] = torch.empty(
+                    incoming.shape, dtype=buf.dtype, device=buf.device
+                )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class Observer(Recorder, metaclass=abc.ABCMeta):
     """Base class. Subclasses implement ``observe(x)`` and ``value_range()``.
 
     Args:
@@ -39,14 +71,12 @@ class Observer(nn.Module, metaclass=abc.ABCMeta):
         channel_axis: int | None = None,
         layer_name: str = "<unnamed>",
     ) -> None:
-        super().__init__()
+        super().__init__(layer_name)
         self.symmetric = symmetric
         self.qmin, self.qmax = qmin, qmax
         self.channel_axis = channel_axis
-        self.layer_name = layer_name
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
         self.register_buffer("num_channels", torch.zeros((), dtype=torch.int64))
-        self.enabled = True  # off: a pure identity (evaluating a prepared model must not calibrate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled or not x.is_floating_point() or x.numel() == 0:
@@ -54,13 +84,7 @@ class Observer(nn.Module, metaclass=abc.ABCMeta):
         if self.channel_axis is not None:
             self._check_channels(x.shape[self.channel_axis])
         xd = x.detach()
-        if not bool(torch.isfinite(xd).all()):
-            bad = "NaN" if bool(torch.isnan(xd).any()) else "Inf"
-            raise CalibrationError(
-                f"{self.layer_name}: calibration batch {int(self.num_batches) + 1} contains {bad}. "
-                "Clean the calibration data (or find the op that overflows upstream) and run the "
-                "calibration again; a non-finite range would give a meaningless scale."
-            )
+        self._check_finite(xd, int(self.num_batches) + 1)
         self.observe(xd.float())
         self.num_batches += 1
         return x
@@ -74,17 +98,6 @@ class Observer(nn.Module, metaclass=abc.ABCMeta):
                 f"{self.channel_axis}, earlier ones had {int(self.num_channels)}. Feed batches "
                 "of the same layout (per-channel ranges cannot be merged across layouts)."
             )
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Per-channel statistics only get their shape from the first batch: adopt the shapes of a
-        # calibrated state dict so it loads into a fresh observer (as torch.ao's observers do).
-        for name, buf in self._buffers.items():
-            incoming = state_dict.get(prefix + name)
-            if buf is not None and incoming is not None and incoming.shape != buf.shape:
-                self._buffers[name] = torch.empty(
-                    incoming.shape, dtype=buf.dtype, device=buf.device
-                )
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @abc.abstractmethod
     def observe(self, x: torch.Tensor) -> None:
@@ -123,7 +136,8 @@ class Observer(nn.Module, metaclass=abc.ABCMeta):
 
 @contextlib.contextmanager
 def observers_disabled(model: nn.Module) -> Iterator[None]:
-    """Run a prepared model as the float model it wraps, without recording statistics.
+    """Run a prepared model as the float model it wraps, without recording statistics (every
+    ``Recorder``: observers and GPTQ's input Hessians).
 
     Example:
         >>> import torch
@@ -134,7 +148,7 @@ def observers_disabled(model: nn.Module) -> Iterator[None]:
         >>> int(obs.num_batches)
         0
     """
-    observers = [m for m in model.modules() if isinstance(m, Observer)]
+    observers = [m for m in model.modules() if isinstance(m, Recorder)]
     previous = [o.enabled for o in observers]
     for o in observers:
         o.enabled = False

@@ -1,0 +1,186 @@
+"""GPTQ: round weights column by column, pushing each column's rounding error onto the columns
+not yet rounded, weighted by the inverse input Hessian (Frantar et al., 2023).
+
+Round-to-nearest minimises ``|W - Q|`` per weight; GPTQ minimises the layer's output error
+``|(W - Q) X|`` over the calibration inputs X, using ``H = E[x x^T]`` gathered during calibration
+(``qfuse.observers.InputHessian``). The weight scale is fixed before rounding (the same
+``amax / 127`` or ``amax / 448`` round-to-nearest uses), so the quantized layer, its kernels and
+its saved format do not change: only which grid point each weight lands on. On all-MiniLM-L6-v2
+with static fp8 it lifts the held-out mean cosine from 0.9976 to 0.9984 (see the README).
+
+Float64 for the Cholesky factorisations (they fail first in float32 on ill-conditioned H), float32
+for the column sweep, as the reference implementation does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+
+from qfuse.errors import CalibrationError, UnsupportedError
+from qfuse.fusion.patterns import Chain
+from qfuse.primitives import weight_codes
+
+
+@dataclass(frozen=True)
+class GPTQ:
+    """GPTQ weight rounding for the fused layers (``qfuse.prepare(..., gptq=qfuse.GPTQ())``).
+
+    Args:
+        damp: added to H's diagonal as a fraction of its mean (regularises the inverse; raise it
+            if convert reports a Hessian that is not positive definite).
+        block_size: columns rounded between two lazy batch updates (speed only: the result is
+            the same up to float rounding).
+        act_order: round columns in order of decreasing ``H_jj`` (the inputs with the most
+            energy first, while the most columns remain to absorb their error).
+        layers: globs of layer names to round with GPTQ; ``None``: every Linear and every
+            ungrouped Conv2d chain.
+    """
+
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = True
+    layers: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.damp > 0.0:
+            raise UnsupportedError(f"GPTQ damp={self.damp} must be > 0 (0.01 is the default).")
+        if int(self.block_size) != self.block_size or self.block_size < 1:
+            raise UnsupportedError(f"GPTQ block_size={self.block_size} must be a positive int.")
+        if isinstance(self.layers, str):
+            raise UnsupportedError("GPTQ layers takes a tuple of globs, not one string.")
+
+    def describe(self) -> str:
+        order = ", act_order" if self.act_order else ""
+        return f"GPTQ (damp={self.damp}{order})"
+
+
+def select(chains: list[Chain], cfg: GPTQ) -> list[str]:
+    """Names of the chains GPTQ rounds: Linear and ungrouped Conv2d, filtered by ``cfg.layers``.
+
+    A glob naming a grouped Conv2d is an error (its rows mix independent groups)."""
+    picked = []
+    for chain in chains:
+        if cfg.layers is not None and not any(
+            fnmatch.fnmatchcase(chain.name, g) for g in cfg.layers
+        ):
+            continue
+        if chain.kind == "conv2d" and chain.conv["groups"] != 1:
+            if cfg.layers is not None:
+                raise UnsupportedError(
+                    f"layer {chain.name}: GPTQ does not round grouped Conv2d weights "
+                    f"(groups={chain.conv['groups']}); leave it out of GPTQ(layers=...)."
+                )
+            continue
+        picked.append(chain.name)
+    return picked
+
+
+def _inverse_cholesky(hessian: torch.Tensor, damp: float, layer: str) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, float64."""
+    h = hessian.double()
+    h = h + damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    chol, info = torch.linalg.cholesky_ex(h)
+    if int(info) == 0:
+        chol, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+    if int(info) != 0:
+        raise CalibrationError(
+            f"{layer}: GPTQ's input Hessian is not positive definite with damp={damp}. Raise "
+            "GPTQ(damp=...) (e.g. 0.1), calibrate with more varied data, or leave the layer out "
+            "of GPTQ(layers=...)."
+        )
+    return chol
+
+
+def gptq_round(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    cfg: GPTQ,
+    layer: str = "<layer>",
+) -> torch.Tensor:
+    """GPTQ-rounded ``weight`` [N, K] (float32, every entry ``code * scale[n]`` on the ``dtype``
+    grid with the given per-row ``scale``), for inputs with second moment ``hessian`` [K, K].
+
+    Example:
+        >>> import torch
+        >>> from qfuse.primitives import weight_scale
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(512, 32) @ torch.randn(32, 32)  # correlated inputs
+        >>> w = torch.randn(8, 32)
+        >>> s = weight_scale(w, torch.int8, per_channel=True)
+        >>> q = gptq_round(w, x.T @ x / 512, s, torch.int8, GPTQ())
+        >>> rtn = torch.round(w / s[:, None]).clamp(-127, 127) * s[:, None]
+        >>> bool(((q - w) @ x.T).norm() < ((rtn - w) @ x.T).norm())
+        True
+    """
+    n, k = weight.shape
+    if hessian.shape != (k, k):
+        raise CalibrationError(
+            f"{layer}: input Hessian {tuple(hessian.shape)} does not match the weight's {k} "
+            "input features."
+        )
+    w = weight.detach().float().clone()
+    h = hessian.detach().to(w.device, torch.float64).clone()
+    dead = torch.diagonal(h) == 0  # an input that was always 0: its weights never matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = None
+    if cfg.act_order:
+        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        w, h = w[:, perm], h[perm][:, perm]
+    u = _inverse_cholesky(h, cfg.damp, layer).float()
+    scale = scale.to(w.device, torch.float32)
+    inv = torch.reciprocal(scale)
+    q = torch.empty_like(w)
+    for i1 in range(0, k, cfg.block_size):
+        i2 = min(i1 + cfg.block_size, k)
+        block, u_block = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        err = torch.empty(n, i2 - i1, device=w.device)
+        for i in range(i2 - i1):
+            col = block[:, i]
+            rounded = weight_codes(col, inv, dtype) * scale
+            q[:, i1 + i] = rounded
+            e = (col - rounded) / u_block[i, i]
+            block[:, i:] -= e[:, None] * u_block[i, i:][None, :]
+            err[:, i] = e
+        w[:, i2:] -= err @ u[i1:i2, i2:]
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
+    return q
+
+
+def round_layer(
+    recorder,
+    name: str,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    cfg: GPTQ,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GPTQ for chain ``name`` with the statistics of ``recorder`` (an ``InputHessian``); the
+    layer's ``weight`` may be any shape with output channels first. ``input_scale`` ``s``: the
+    layer sees ``x / s`` (SmoothQuant), so its Hessian is ``H / (s s^T)``.
+
+    Results are cached on the recorder until new calibration data arrives: auto_fallback and
+    sensitivity convert the same prepared model many times."""
+    recorder.check_calibrated()
+    key = (name, dtype, cfg)
+    hit = recorder.solved.get(key)
+    if hit is not None and all(
+        a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(hit[:2], (weight, scale), strict=True)
+    ):
+        return hit[2]
+    h = recorder.hessian
+    if input_scale is not None:
+        inv = torch.reciprocal(input_scale.to(h.device, torch.float32))
+        h = h * inv[:, None] * inv[None, :]
+    flat = weight.reshape(weight.shape[0], -1)
+    q = gptq_round(flat, h, scale, dtype, cfg, layer=name).reshape(weight.shape)
+    recorder.solved[key] = (weight.clone(), scale.clone(), q)
+    return q
