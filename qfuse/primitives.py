@@ -18,6 +18,13 @@ FP8_E4M3_MAX = 448.0
 SCALE_EPS = torch.finfo(torch.float32).eps  # torch.ao clamps scales at float32 eps; so do we
 
 
+def divide(x: torch.Tensor, constant: float) -> torch.Tensor:
+    """``x / constant``, correctly rounded on every device. CUDA turns division by a scalar into a
+    multiply by its reciprocal (``amax / 127.5`` was 1 ulp off the CPU's on the H200); a divisor
+    tensor on x's device keeps it a true division, so scales computed on CPU and GPU agree."""
+    return x / torch.full_like(x, constant)
+
+
 def choose_qparams(
     min_val: torch.Tensor,
     max_val: torch.Tensor,
@@ -43,11 +50,11 @@ def choose_qparams(
     max_val = torch.clamp(max_val.float(), min=0.0)
     if symmetric:
         amax = torch.maximum(-min_val, max_val)
-        scale = amax / ((qmax - qmin) / 2)
+        scale = divide(amax, (qmax - qmin) / 2)
         scale = torch.clamp(scale, min=SCALE_EPS)
         zero_point = torch.zeros_like(scale, dtype=torch.int32)
     else:
-        scale = (max_val - min_val) / float(qmax - qmin)
+        scale = divide(max_val - min_val, float(qmax - qmin))
         scale = torch.clamp(scale, min=SCALE_EPS)
         zero_point = qmin - torch.round(min_val / scale).to(torch.int32)
         zero_point = torch.clamp(zero_point, qmin, qmax).to(torch.int32)
@@ -107,7 +114,7 @@ def weight_scale(weight: torch.Tensor, dtype: torch.dtype, per_channel: bool) ->
     flat = weight.detach().float().reshape(weight.shape[0], -1)
     if dtype == torch.float8_e4m3fn:
         amax = flat.abs().amax(dim=1) if per_channel else flat.abs().amax().expand(flat.shape[0])
-        return torch.clamp(amax / FP8_E4M3_MAX, min=SCALE_EPS).to(torch.float32)
+        return torch.clamp(divide(amax, FP8_E4M3_MAX), min=SCALE_EPS).to(torch.float32)
     if per_channel:
         lo, hi = flat.amin(dim=1), flat.amax(dim=1)
     else:

@@ -5,8 +5,8 @@
 Quality metric: cosine similarity between the quantized and the fp32 sentence embeddings (mean
 pooling, L2-normalised, as sentence-transformers computes them) on held-out sentences that the
 calibration never saw. Configs compared: static int8 with MinMax (symmetric and asymmetric),
-better observers, SmoothQuant, and auto_fallback on top (its budget is checked on a validation
-slice of the calibration sentences, never on the held-out set).
+better observers, SmoothQuant, GPTQ weight rounding, static fp8, and auto_fallback on top (its
+budget is checked on a validation slice of the calibration sentences, never on the held-out set).
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def run(device: str | None = None, fallback_drop: float = 0.0015, verbose: bool 
     asym = qfuse.QConfig(symmetric=False)
     mse = qfuse.QConfig(symmetric=False, observer="histogram_mse")
     smooth = {"smoothquant": qfuse.SmoothQuant(0.5)}
+    gptq = {"gptq": qfuse.GPTQ()}
+    fp8 = qfuse.QConfig.fp8_static()
     # (name, config, prepare kwargs, run auto_fallback on top)
     configs = [
         ("int8 static, MinMax, symmetric", qfuse.QConfig.int8_static(), {}, False),
@@ -113,7 +115,9 @@ def run(device: str | None = None, fallback_drop: float = 0.0015, verbose: bool 
         ("int8 static, histogram-MSE, asymmetric", mse, {}, False),
         ("int8 static, MinMax asym + SmoothQuant 0.5", asym, smooth, False),
         ("int8 static, hist-MSE asym + SmoothQuant 0.5", mse, smooth, True),
-        ("fp8 static (e4m3), MinMax", qfuse.QConfig.fp8_static(), {}, True),
+        ("int8 static, hist-MSE asym + SQ 0.5 + GPTQ", mse, {**smooth, **gptq}, False),
+        ("fp8 static (e4m3), MinMax", fp8, {}, False),
+        ("fp8 static (e4m3), MinMax + GPTQ", fp8, gptq, True),
     ]
     results, fallbacks = [], []
     for name, config, kwargs, fallback in configs:

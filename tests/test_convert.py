@@ -66,14 +66,14 @@ def test_dynamic_batch_dimension():
             assert sqnr_db(model(x), qmodel(x)) > 25
 
 
-def test_triton_interpreter_equals_reference_end_to_end():
+def test_triton_equals_reference_end_to_end(device):
     torch.manual_seed(0)
     qmodel = quantize(MLPBlock().eval(), torch.randn(4, 32))
     x = torch.randn(5, 32)
     with torch.no_grad(), qfuse.use_backend("reference"):
         ref = qmodel(x)
-    with torch.no_grad(), qfuse.use_backend("triton"):
-        out = qmodel(x)
+    with torch.no_grad(), qfuse.use_backend("triton"):  # interpreter on CPU, else the GPU
+        out = qmodel.to(device)(x.to(device)).cpu()
     assert torch.equal(ref, out)
 
 

@@ -9,9 +9,11 @@ from qfuse.primitives import (
     WEIGHT_INT8_MIN,
     choose_qparams,
     dequantize,
+    divide,
     fake_quantize,
     quantize,
     quantize_weight,
+    weight_scale,
 )
 
 
@@ -76,3 +78,22 @@ def test_fake_quantize_error_is_bounded_by_half_a_step(seed):
     # -128 * scale magnifies 128-fold (seen: 1.2e-5 relative over half a step).
     s = scale.item()
     assert err <= s / 2 + 128 * s * 2**-22
+
+
+def test_divide_is_correctly_rounded(device):
+    x = torch.rand(4096, device=device) * torch.logspace(-6, 6, 4096, device=device)
+    for constant in (127.5, 127.0, 448.0, 255.0):
+        exact = (x.double() / constant).float()  # float64 then round: the correctly rounded
+        assert torch.equal(divide(x, constant), exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_scales_are_the_same_on_cpu_and_cuda(dtype):
+    w = torch.randn(257, 300) * torch.rand(257, 1) * 3
+    lo, hi = w.amin(1), w.amax(1)
+    for symmetric in (True, False):
+        cpu = choose_qparams(lo, hi, symmetric=symmetric)
+        gpu = choose_qparams(lo.cuda(), hi.cuda(), symmetric=symmetric)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu, strict=True))
+    assert torch.equal(weight_scale(w, dtype, True), weight_scale(w.cuda(), dtype, True).cpu())

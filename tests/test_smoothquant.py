@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -29,15 +31,19 @@ def test_smoothquant_improves_accuracy_on_outlier_channels():
     assert smooth.get_submodule("fc").x_inv_scale.shape == (64,)
 
 
-def test_prologue_vector_runs_identically_in_triton_interpreter():
+def test_prologue_vector_runs_identically_in_triton(device):
     torch.manual_seed(1)
     model = LNBlock().eval()
     x = torch.randn(16, 64)
     qmodel = quantize(model, x, smoothquant=qfuse.SmoothQuant(alpha=0.5, layers=("fc",)))
-    with torch.no_grad(), qfuse.use_backend("reference"):
-        ref = qmodel(x)
-    with torch.no_grad(), qfuse.use_backend("triton"):
-        out = qmodel(x)
+    fc = qmodel.get_submodule("fc")  # int8 out to fc2: compared exactly
+    assert fc.x_inv_scale.shape == (64,) and fc.out_dtype == torch.int8
+    with torch.no_grad():
+        h = model.ln(x)  # the same float input on both sides (CUDA's LayerNorm rounds its own way)
+        with qfuse.use_backend("reference"):
+            ref = fc(h)
+        with qfuse.use_backend("triton"):  # interpreter on CPU, else the GPU
+            out = copy.deepcopy(fc).to(device)(h.to(device)).cpu()
     assert torch.equal(ref, out)
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qfuse.primitives import SCALE_EPS, divide
+
 ROUND_MAGIC = 12582912.0
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-SCALE_EPS = torch.finfo(torch.float32).eps
 
 
 def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, zero_point) -> torch.Tensor:
@@ -40,11 +41,8 @@ def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
     """
     x = x.to(torch.float32)
     amax = x.abs().amax(dim=1)
-    # Tensor / tensor: PyTorch's CUDA kernel turns a division by a Python scalar into a multiply
-    # by its reciprocal (seen on an H200: int8_dynamic outputs then differed from the kernel's
-    # correctly rounded div_rn), which would make the reference device-dependent.
-    qmax = torch.full_like(amax, FP8_MAX if qdtype == FP8 else 127.5)
-    scale = torch.clamp(amax / qmax, min=SCALE_EPS)
+    # A true division on every device (see primitives.divide): the kernel's div_rn is one too.
+    scale = torch.clamp(divide(amax, FP8_MAX if qdtype == FP8 else 127.5), min=SCALE_EPS)
     inv = torch.reciprocal(scale)[:, None]
     q = quantize_fp8(x, inv) if qdtype == FP8 else quantize_int8(x, inv, 0.0)
     return q, scale
