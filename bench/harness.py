@@ -23,7 +23,8 @@ DEVICE = "cuda"
 
 
 def environment() -> dict:
-    """Device, library versions and the commit the numbers belong to."""
+    """Device, library versions and the commit the numbers belong to (``QFUSE_COMMIT`` wins: the
+    device machine's copy of the tree may carry a stale .git)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
@@ -36,7 +37,7 @@ def environment() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": commit or os.environ.get("QFUSE_COMMIT", "unknown"),
+        "commit": os.environ.get("QFUSE_COMMIT") or commit or "unknown",
         "date": time.strftime("%Y-%m-%d"),
     }
 
