@@ -37,6 +37,15 @@ class GPTQ:
             energy first, while the most columns remain to absorb their error).
         layers: globs of layer names to round with GPTQ; ``None``: every Linear and every
             ungrouped Conv2d chain.
+
+    Example:
+        >>> import torch, qfuse
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU()).eval()
+        >>> x = torch.randn(64, 16)
+        >>> prepared = qfuse.prepare(model, qfuse.QConfig.fp8_static(), (x,), gptq=qfuse.GPTQ())
+        >>> _ = prepared(x)  # calibration records ranges and the input Hessian
+        >>> qfuse.summary(qfuse.convert(prepared)).rows[0]["note"]
+        'GPTQ (damp=0.01, act_order)'
     """
 
     damp: float = 0.01

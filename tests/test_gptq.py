@@ -278,3 +278,16 @@ def test_flow_on_cuda_agrees_with_cpu(config):
     with torch.no_grad():
         ref = model.cpu()(held)
         assert sqnr_db(ref, on_gpu(held.cuda()).cpu()) > sqnr_db(ref, on_cpu(held)) - 0.3
+
+
+def test_saved_model_reloads_bit_exactly(tmp_path):
+    torch.manual_seed(11)
+    model = Correlated().eval()
+    calib = correlated(512, 64)
+    _, rounded = quantize(model, qfuse.QConfig.fp8_static(), calib, gptq=GPTQ())
+    path = tmp_path / "gptq.safetensors"
+    qfuse.save(rounded, path)
+    loaded = qfuse.load(path, Correlated().eval(), (calib[:4],))  # weights from the file
+    with torch.no_grad():
+        assert torch.equal(loaded(calib), rounded(calib))
+    assert torch.equal(loaded.fc1.weight.float(), rounded.fc1.weight.float())
