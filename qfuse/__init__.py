@@ -23,7 +23,7 @@ from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.gptq import GPTQ
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.prepare import prepare
-from qfuse.routing import CostModel, route
+from qfuse.routing import CostModel, RoutePlan, route
 from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.smoothquant import SmoothQuant
 from qfuse.summary import Summary, summary
@@ -54,6 +54,7 @@ __all__ = [
     "prepare",
     "resolve_backend",
     "route",
+    "RoutePlan",
     "sensitivity",
     "summary",
     "use_backend",

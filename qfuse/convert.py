@@ -207,6 +207,7 @@ def convert(
     inplace: bool = False,
     keep_float: Mapping[str, str] | None = None,
     layer_dtypes: Mapping[str, torch.dtype] | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> fx.GraphModule:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -214,6 +215,7 @@ def convert(
     ``qfuse.auto_fallback``); ``qfuse.summary`` shows the reason. ``layer_dtypes`` gives layers
     another quantized dtype than the config's (``torch.int8`` / ``torch.float8_e4m3fn``: fp8 for
     the layers int8 serves worst keeps them fused and fast); int8 and fp8 layers exchange float.
+    ``notes`` adds a per-layer note to ``qfuse.summary`` (why a layer got its dtype).
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -221,10 +223,12 @@ def convert(
     state = _state(prepared)
     keep_float = dict(keep_float or {})
     layer_dtypes = dict(layer_dtypes or {})
-    unknown = sorted((set(keep_float) | set(layer_dtypes)) - {c.name for c in state.chains})
+    notes = dict(notes or {})
+    named = set(keep_float) | set(layer_dtypes) | set(notes)
+    unknown = sorted(named - {c.name for c in state.chains})
     if unknown:
         raise QFuseError(
-            f"keep_float/layer_dtypes name layers that are not fusible chains: {unknown}; "
+            f"keep_float/layer_dtypes/notes name layers that are not fusible chains: {unknown}; "
             "use the names in qfuse.summary(prepared)."
         )
     bad = {n: d for n, d in layer_dtypes.items() if d not in QUANT_NAMES}
@@ -271,12 +275,14 @@ def convert(
         modules[chain.name] = _build(
             chain, state.config, plan, out_qparams, chain.name in producers, out_dtype
         )
-        notes = []
+        layer_notes = []
         if chain.name in state.smoothed:
             where = "prologue" if chain.name in plan.prologue else "folded into producer"
-            notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
+            layer_notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
         if chain.name in plan.weight_scales:
-            notes.append(state.gptq.describe())
+            layer_notes.append(state.gptq.describe())
+        if chain.name in notes:
+            layer_notes.append(notes[chain.name])
         layers.append(
             _record(
                 chain,
@@ -284,7 +290,7 @@ def convert(
                 paths[chain.name],
                 producers.get(chain.name),
                 readers,
-                notes,
+                layer_notes,
             )
         )
     fuse_chains(gm, state.chains, modules)

@@ -65,11 +65,9 @@ def auto_fallback(
     def convert_with(layers: dict[str, str]):
         if fallback == "float":
             return convert(prepared, keep_float=layers)
-        qmodel = convert(prepared, layer_dtypes={n: torch.float8_e4m3fn for n in layers})
-        for record in get_state(qmodel).layers:
-            if record.name in layers:
-                record.note = "; ".join(filter(None, [record.note, layers[record.name]]))
-        return qmodel
+        return convert(
+            prepared, layer_dtypes={n: torch.float8_e4m3fn for n in layers}, notes=layers
+        )
 
     with observers_disabled(prepared):
         baseline = eval_fn(prepared)

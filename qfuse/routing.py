@@ -1,10 +1,11 @@
-"""Speed-aware routing: per layer, fused int8 kernel or float (bf16 cuBLAS), by a cost model.
+"""Speed-aware routing: per layer, fused int8, fused fp8 or float (bf16 cuBLAS), by a cost model.
 
 The model predicts a layer's time from its GEMM shape (M tokens x K -> N). It prefers measured
-timings of the current GPU (``CostModel.measure`` times both implementations with
-``triton.testing.do_bench`` and caches them on disk per GPU name and shape); without them it uses
-the analytic roofline ``max(2MNK / rate, bytes / bandwidth) + launch`` with rates measured on an
-H200 (shared/ANCHORS.md) and a tile-occupancy factor, so a tiny GEMM — where the int8 kernel's
+timings of the current GPU (``CostModel.measure`` times the three implementations with
+``triton.testing.do_bench`` and caches them on disk per GPU name and shape; ``route(...,
+measure=True)`` fills the cache for the shapes it needs); without them it uses the analytic
+roofline ``max(2MNK / rate, bytes / bandwidth) + launch`` with rates measured on an H200
+(shared/ANCHORS.md) and a tile-occupancy factor, so a tiny GEMM — where the quantized kernel's
 halved bytes and doubled rate cannot pay for its padded tiles and launch — stays float.
 """
 
@@ -23,20 +24,23 @@ from qfuse.errors import QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.state import get_state
 
-IMPLS = ("int8", "bf16")
+IMPLS = ("int8", "fp8", "bf16")
+DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
 class DeviceRates:
     """Sustained rates. Defaults: measured on an H200 (ANCHORS.md: cuBLAS bf16 694 TFLOP/s,
-    Triton int8 1096 TOPS, 4.2 TB/s copy); launch costs are typical eager-mode figures."""
+    Triton int8 1096 TOPS, cuBLAS fp8 1272 TFLOP/s, 4.2 TB/s copy); launch costs are typical
+    eager-mode figures."""
 
     name: str = "NVIDIA H200"
     bf16_tflops: float = 694.0
     int8_tops: float = 1096.0
+    fp8_tflops: float = 1272.0
     hbm_tbps: float = 4.2
-    launch_us: dict = field(default_factory=lambda: {"bf16": 4.0, "int8": 6.0})
-    tile: dict = field(default_factory=lambda: {"bf16": 64, "int8": 64})
+    launch_us: dict = field(default_factory=lambda: {"bf16": 4.0, "int8": 6.0, "fp8": 6.0})
+    tile: dict = field(default_factory=lambda: {"bf16": 64, "int8": 64, "fp8": 64})
 
 
 def _occupancy(M: int, N: int, tile: int) -> float:
@@ -50,9 +54,10 @@ def analytic_us(impl: str, M: int, K: int, N: int, rates: DeviceRates) -> float:
     flops = 2.0 * M * N * K
     if impl == "bf16":
         rate, nbytes = rates.bf16_tflops * 1e12, 2 * (M * K + N * K + M * N)
-    elif impl == "int8":
-        # float (bf16) input read once in the prologue, int8 weights, bf16 output
-        rate, nbytes = rates.int8_tops * 1e12, 2 * M * K + N * K + 2 * M * N
+    elif impl in DTYPES:
+        # float (bf16) input read once in the prologue, 1-byte weights, bf16 output
+        tera = rates.int8_tops if impl == "int8" else rates.fp8_tflops
+        rate, nbytes = tera * 1e12, 2 * M * K + N * K + 2 * M * N
     else:
         raise QFuseError(f"unknown implementation {impl!r}; choose one of {IMPLS}.")
     rate *= _occupancy(M, N, rates.tile[impl])
@@ -98,9 +103,19 @@ class CostModel:
         os.replace(tmp, path)
         return path
 
-    def measure(self, shapes: list[tuple[int, int, int]], device: str = "cuda") -> None:
-        """Time bf16 ``F.linear`` and the fused int8 kernel for each (M, K, N) on the current GPU
-        (median of ``triton.testing.do_bench``, random data) and remember the results."""
+    @classmethod
+    def current(cls) -> CostModel:
+        """The model for this process's GPU: its cached measurements (if any) over the analytic
+        H200 rates; on a machine without CUDA, the analytic model alone."""
+        if torch.cuda.is_available():
+            return cls.load(torch.cuda.get_device_name())
+        return cls()
+
+    def measure(
+        self, shapes: list[tuple[int, int, int]], impls: tuple[str, ...] = IMPLS, device="cuda"
+    ) -> None:
+        """Time ``impls`` (bf16 ``F.linear``, the fused int8 / fp8 kernels) for each (M, K, N) on
+        the current GPU (median of ``triton.testing.do_bench``, random data) and remember them."""
         import triton.testing
 
         from qfuse.nn import QLinear
@@ -110,19 +125,28 @@ class CostModel:
         for M, K, N in shapes:
             x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
             w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K**0.5
-            q = QLinear.from_float(
-                w.float(),
-                None,
-                x_scale=x.abs().amax().float() / 127.5,
-                x_zero_point=None,
-                out_dtype=torch.bfloat16,
-            )
-            bf16 = triton.testing.do_bench(
-                lambda x=x, w=w: torch.nn.functional.linear(x, w), return_mode="median"
-            )
-            int8 = triton.testing.do_bench(lambda x=x, q=q: q(x), return_mode="median")
-            self.measured[_key("bf16", M, K, N)] = bf16 * 1e3
-            self.measured[_key("int8", M, K, N)] = int8 * 1e3
+            for impl in impls:
+                if impl == "bf16":
+                    fn = lambda x=x, w=w: torch.nn.functional.linear(x, w)  # noqa: E731
+                else:
+                    q = QLinear.from_float(
+                        w.float(),
+                        None,
+                        x_scale=x.abs().amax().float() / (127.5 if impl == "int8" else 448.0),
+                        x_zero_point=None,
+                        dtype=DTYPES[impl],
+                        out_dtype=torch.bfloat16,
+                    )
+                    fn = lambda x=x, q=q: q(x)  # noqa: E731
+                    ref = torch.nn.functional.linear(x.float(), w.float())
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    if not err < 0.1:  # int8 ~0.01, fp8 ~0.03 on these random inputs
+                        raise QFuseError(
+                            f"CostModel.measure: the {impl} kernel is wrong at {M}x{K}x{N} "
+                            f"(relative error {err:.3g}); not timing it."
+                        )
+                ms = triton.testing.do_bench(fn, return_mode="median")
+                self.measured[_key(impl, M, K, N)] = ms * 1e3
 
 
 def layer_shapes(prepared, tokens: int) -> dict[str, tuple[int, int, int]]:
@@ -139,30 +163,118 @@ def layer_shapes(prepared, tokens: int) -> dict[str, tuple[int, int, int]]:
     return shapes
 
 
-def route(
-    prepared, tokens: int, cost_model: CostModel | None = None, margin: float = 1.0
-) -> dict[str, str]:
-    """Layers predicted faster in float: ``{name: reason}``, ready for ``convert(keep_float=...)``.
+@dataclass
+class RoutePlan:
+    """Per layer, the implementation predicted fastest and the predictions behind it.
 
-    ``tokens`` is the serving M (batch x sequence). A layer stays float when the int8 kernel is
-    not predicted at least ``margin`` times faster.
+    ``qfuse.convert(prepared, **plan.convert_kwargs())`` applies it; every routed layer's
+    reason shows in ``qfuse.summary``."""
+
+    tokens: int
+    choices: dict[str, str]  # layer -> "int8" | "fp8" | "bf16"
+    predictions: dict[str, dict[str, tuple[float, str]]]  # layer -> impl -> (us, source)
+
+    def reason(self, name: str) -> str:
+        times = ", ".join(
+            f"{impl} {us:.1f} us ({src})" for impl, (us, src) in self.predictions[name].items()
+        )
+        return f"route: {self.choices[name]} predicted fastest at M={self.tokens}: {times}"
+
+    @property
+    def keep_float(self) -> dict[str, str]:
+        return {n: self.reason(n) for n, impl in self.choices.items() if impl == "bf16"}
+
+    @property
+    def layer_dtypes(self) -> dict[str, torch.dtype]:
+        return {n: DTYPES[impl] for n, impl in self.choices.items() if impl in DTYPES}
+
+    def convert_kwargs(self) -> dict:
+        notes = {n: self.reason(n) for n, impl in self.choices.items() if impl in DTYPES}
+        return dict(keep_float=self.keep_float, layer_dtypes=self.layer_dtypes, notes=notes)
+
+    def __str__(self) -> str:
+        lines = [f"route at M={self.tokens} tokens"]
+        for name, impl in self.choices.items():
+            times = "  ".join(
+                f"{i} {us:8.1f} us{'*' if src == 'measured' else ' '}"
+                for i, (us, src) in self.predictions[name].items()
+            )
+            lines.append(f"  {name:<40} {impl:<5} {times}")
+        lines.append("  (* measured on this GPU; the rest analytic)")
+        return "\n".join(lines)
+
+
+def _supported(impls: tuple[str, ...]) -> tuple[str, ...]:
+    """fp8 needs sm_89+ (Ada/Hopper); on an older GPU it is no candidate."""
+    if "fp8" in impls and torch.cuda.is_available():
+        if torch.cuda.get_device_capability() < (8, 9):
+            return tuple(i for i in impls if i != "fp8")
+    return impls
+
+
+def route(
+    prepared,
+    tokens: int,
+    cost_model: CostModel | None = None,
+    margin: float = 1.0,
+    candidates: tuple[str, ...] = IMPLS,
+    measure: bool = False,
+) -> RoutePlan:
+    """Per Linear layer, fused int8, fused fp8 or bf16 — whichever the cost model predicts
+    fastest at ``tokens`` rows (the serving M, batch x sequence).
+
+    The config's own dtype is kept unless another quantized dtype is predicted ``margin`` times
+    faster; a layer stays bf16 unless a quantized kernel is predicted ``margin`` times faster.
+    ``cost_model`` defaults to ``CostModel.current()`` (this GPU's cached measurements, else
+    analytic); ``measure=True`` first times the shapes it lacks on this GPU and caches them.
+    ``candidates`` limits the choice (e.g. ``("int8", "bf16")``); fp8 drops out on GPUs older
+    than sm_89. Routing is about speed only: check accuracy (``auto_fallback``) on the result.
 
     Example:
         >>> import torch, qfuse
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
         >>> prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (torch.randn(2, 4096),))
-        >>> sorted(qfuse.route(prepared, tokens=16))
-        ['2']
+        >>> plan = qfuse.route(prepared, tokens=16, cost_model=qfuse.CostModel())  # analytic
+        >>> plan.choices
+        {'0': 'int8', '2': 'bf16'}
+        >>> _ = prepared(torch.randn(8, 4096))
+        >>> qmodel = qfuse.convert(prepared, **plan.convert_kwargs())
     """
-    model = cost_model or CostModel()
-    keep = {}
-    for name, (M, K, N) in layer_shapes(prepared, tokens).items():
-        t_int8, src8 = model.predict_us("int8", M, K, N)
-        t_bf16, src16 = model.predict_us("bf16", M, K, N)
-        if t_bf16 * margin <= t_int8:
-            keep[name] = (
-                f"bf16 predicted faster at M={M}: {t_bf16:.1f} us vs int8 "
-                f"{t_int8:.1f} us ({src16}/{src8})"
-            )
-    return keep
+    unknown = set(candidates) - set(IMPLS)
+    if unknown or "bf16" not in candidates:
+        raise QFuseError(
+            f"route candidates {tuple(candidates)}: choose from {IMPLS}, always including "
+            "'bf16' (the float fallback)."
+        )
+    candidates = _supported(tuple(candidates))
+    shapes = layer_shapes(prepared, tokens)
+    model = cost_model or CostModel.current()
+    if measure:
+        missing = sorted(
+            {s for s in shapes.values() for i in candidates if _key(i, *s) not in model.measured}
+        )
+        if missing:
+            model.measure(missing, candidates)
+            model.save(torch.cuda.get_device_name())
+    own = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}[get_state(prepared).config.dtype]
+    choices, predictions = {}, {}
+    for name, (M, K, N) in shapes.items():
+        pred = {impl: model.predict_us(impl, M, K, N) for impl in candidates}
+        choices[name] = choose({i: us for i, (us, _) in pred.items()}, own, margin)
+        predictions[name] = pred
+    return RoutePlan(tokens, choices, predictions)
+
+
+def choose(times_us: dict[str, float], own: str, margin: float = 1.0) -> str:
+    """The implementation to run, from predicted times (``"bf16"`` always among them): the
+    config's ``own`` quantized dtype unless another is ``margin`` times faster, and bf16 unless
+    the chosen quantized one is ``margin`` times faster than it."""
+    quantized = [i for i in times_us if i != "bf16"]
+    if not quantized:
+        return "bf16"
+    best = own if own in quantized else min(quantized, key=times_us.get)
+    for impl in quantized:
+        if times_us[impl] * margin < times_us[best]:
+            best = impl
+    return "bf16" if times_us["bf16"] * margin <= times_us[best] else best
