@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from bench.harness import write_results
 from qfuse.routing import IMPLS, CostModel, analytic_us, choose
 
