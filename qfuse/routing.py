@@ -4,9 +4,11 @@ The model predicts a layer's time from its GEMM shape (M tokens x K -> N). It pr
 timings of the current GPU (``CostModel.measure`` times the three implementations with
 ``triton.testing.do_bench`` and caches them on disk per GPU name and shape; ``route(...,
 measure=True)`` fills the cache for the shapes it needs); without them it uses the analytic
-roofline ``max(2MNK / rate, bytes / bandwidth) + launch`` with rates measured on an H200
-(shared/ANCHORS.md) and a tile-occupancy factor, so a tiny GEMM — where the quantized kernel's
-halved bytes and doubled rate cannot pay for its padded tiles and launch — stays float.
+roofline ``max(2MNK / rate, bytes / bandwidth) + launch``, floored by the host's eager
+per-call cost, with rates and costs measured on an H200 and a tile-occupancy factor, so a tiny
+GEMM — where the quantized kernel's halved bytes and doubled rate cannot pay for its padded
+tiles and its longer launch — stays float. The timings are eager (CUDA graphs remove the host
+floor; measure under them yourself if you serve that way).
 """
 
 from __future__ import annotations
@@ -30,16 +32,24 @@ DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Sustained rates. Defaults: measured on an H200 (ANCHORS.md: cuBLAS bf16 694 TFLOP/s,
-    Triton int8 1096 TOPS, cuBLAS fp8 1272 TFLOP/s, 4.2 TB/s copy); launch costs are typical
-    eager-mode figures."""
+    """Sustained rates and eager host costs, measured on an H200.
+
+    Rates from ANCHORS.md (cuBLAS bf16 694 TFLOP/s, Triton int8 1096 TOPS, cuBLAS fp8 1272
+    TFLOP/s); bandwidth 3.0 TB/s, what weight-streaming GEMMs reach (bf16 M=16 x 4096 x 14336:
+    117 MB in 41 us), below the 4.2 TB/s of a copy. ``host_us``: the eager per-call floor, below
+    which a layer cannot run however small (``bench/results/route_costs_h200.json``: bf16 ~7 us;
+    a fused layer ~30 us with one launch, ~64 us from M=128 on, where the input is quantized in a
+    separate pass before the GEMM).
+    """
 
     name: str = "NVIDIA H200"
     bf16_tflops: float = 694.0
     int8_tops: float = 1096.0
     fp8_tflops: float = 1272.0
-    hbm_tbps: float = 4.2
-    launch_us: dict = field(default_factory=lambda: {"bf16": 4.0, "int8": 6.0, "fp8": 6.0})
+    hbm_tbps: float = 3.0
+    launch_us: float = 2.0  # GPU-side start-up of any kernel
+    host_us: dict = field(default_factory=lambda: {"bf16": 7.0, "int8": 30.0, "fp8": 30.0})
+    separate_quant_from_m: int = 128  # from here a fused layer is two launches
     tile: dict = field(default_factory=lambda: {"bf16": 64, "int8": 64, "fp8": 64})
 
 
@@ -50,18 +60,21 @@ def _occupancy(M: int, N: int, tile: int) -> float:
 
 
 def analytic_us(impl: str, M: int, K: int, N: int, rates: DeviceRates) -> float:
-    """Roofline time in microseconds of one fused layer (input read, weights read, output write)."""
+    """Eager time in microseconds of one layer: the GPU roofline (input read, weights read,
+    output write) plus kernel start-up, or the host's per-call floor when that is longer."""
     flops = 2.0 * M * N * K
     if impl == "bf16":
-        rate, nbytes = rates.bf16_tflops * 1e12, 2 * (M * K + N * K + M * N)
+        rate, nbytes, launches = rates.bf16_tflops * 1e12, 2 * (M * K + N * K + M * N), 1
     elif impl in DTYPES:
         # float (bf16) input read once in the prologue, 1-byte weights, bf16 output
         tera = rates.int8_tops if impl == "int8" else rates.fp8_tflops
         rate, nbytes = tera * 1e12, 2 * M * K + N * K + 2 * M * N
+        launches = 2 if M >= rates.separate_quant_from_m else 1
     else:
         raise QFuseError(f"unknown implementation {impl!r}; choose one of {IMPLS}.")
     rate *= _occupancy(M, N, rates.tile[impl])
-    return max(flops / rate, nbytes / (rates.hbm_tbps * 1e12)) * 1e6 + rates.launch_us[impl]
+    gpu = max(flops / rate, nbytes / (rates.hbm_tbps * 1e12)) * 1e6 + rates.launch_us * launches
+    return max(gpu, rates.host_us[impl] * launches)
 
 
 def _key(impl: str, M: int, K: int, N: int) -> str:
@@ -235,9 +248,9 @@ def route(
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
         >>> prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (torch.randn(2, 4096),))
-        >>> plan = qfuse.route(prepared, tokens=16, cost_model=qfuse.CostModel())  # analytic
+        >>> plan = qfuse.route(prepared, tokens=4096, cost_model=qfuse.CostModel())  # analytic
         >>> plan.choices
-        {'0': 'int8', '2': 'bf16'}
+        {'0': 'fp8', '2': 'bf16'}
         >>> _ = prepared(torch.randn(8, 4096))
         >>> qmodel = qfuse.convert(prepared, **plan.convert_kwargs())
     """
