@@ -18,9 +18,11 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from qfuse.config import QConfig
 from qfuse.convert import convert
 from qfuse.errors import QFuseError
 from qfuse.observers.base import observers_disabled
+from qfuse.prepare import prepare
 from qfuse.state import get_state
 
 
@@ -121,25 +123,55 @@ class SensitivityReport:
         return path
 
 
-def _check_prepared(prepared) -> None:
-    state = get_state(prepared)
-    if state is None or state.stage != "prepared":
-        raise QFuseError("qfuse.sensitivity expects a calibrated model returned by qfuse.prepare.")
+def _prepared(model, config, batches: list) -> fx.GraphModule:
+    """``model`` itself when it is a prepared model, else ``model`` prepared with ``config`` and
+    calibrated on ``batches``."""
+    state = get_state(model)
+    if state is not None:
+        if state.stage != "prepared":
+            raise QFuseError(
+                "qfuse.sensitivity takes a float model (with a config) or the model returned by "
+                "qfuse.prepare, not a converted one."
+            )
+        return model
+    if not isinstance(config, QConfig):
+        raise QFuseError(
+            "qfuse.sensitivity on a float model needs config=qfuse.QConfig(...) (got "
+            f"{type(config).__name__}) and data to calibrate with; or pass a prepared model."
+        )
+    if not batches:
+        raise QFuseError("qfuse.sensitivity on a float model needs data: its calibration batches.")
+    first = batches[0]
+    args = (
+        ()
+        if isinstance(first, dict)
+        else tuple(first)
+        if isinstance(first, (tuple, list))
+        else (first,)
+    )
+    prepared = prepare(
+        model, config, args, example_kwargs=first if isinstance(first, dict) else None
+    )
+    for batch in batches:
+        call(prepared, batch)
+    return prepared
 
 
 @torch.no_grad()
 def sensitivity(
-    prepared: fx.GraphModule,
+    model: torch.nn.Module,
+    config: QConfig | None = None,
     data: Iterable | None = None,
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
     *,
     higher_is_better: bool = True,
     layers: Iterable[str] | None = None,
 ) -> SensitivityReport:
-    """Per-layer quantization error of a calibrated prepared model.
+    """Per-layer quantization error: each fusible layer quantized alone.
 
-    ``data``: batches (tensor, args tuple or kwargs dict) for output SQNR; ``eval_fn(model) ->
-    float``: the user's metric. At least one is needed.
+    ``model``: a calibrated ``qfuse.prepare`` result, or a float model with its ``config`` (it
+    is then prepared and calibrated on ``data``). ``data``: batches (tensor, args tuple or kwargs
+    dict) for output SQNR; ``eval_fn(model) -> float``: the user's metric. At least one is needed.
 
     Example:
         >>> import torch, qfuse
@@ -151,12 +183,15 @@ def sensitivity(
         >>> report = qfuse.sensitivity(prepared, data=[x])
         >>> sorted(r.name for r in report.rows)
         ['0', '2']
+        >>> same = qfuse.sensitivity(model, qfuse.QConfig.int8_static(), data=[x])  # float model
+        >>> [r.sqnr_db for r in same.rows] == [r.sqnr_db for r in report.rows]
+        True
     """
-    _check_prepared(prepared)
     if data is None and eval_fn is None:
         raise QFuseError("qfuse.sensitivity needs data (batches) or an eval_fn to measure with.")
-    state = get_state(prepared)
     batches = list(data) if data is not None else []
+    prepared = _prepared(model, config, batches)
+    state = get_state(prepared)
     with observers_disabled(prepared):
         reference = [call(prepared, b) for b in batches]
         baseline = eval_fn(prepared) if eval_fn is not None else None

@@ -116,3 +116,17 @@ def test_evaluation_count_excludes_a_reused_report():
     _, first = qfuse.auto_fallback(prepared, lambda m: 1.0, max_drop=0.0, data=[x])
     _, again = qfuse.auto_fallback(prepared, lambda m: 1.0, max_drop=0.0, report=first.report)
     assert first.evaluations - again.evaluations == len(first.report.rows)
+
+
+def test_sensitivity_of_a_float_model_prepares_and_calibrates_it():
+    x = torch.randn(64, 16)
+    model = planted_model()
+    report = qfuse.sensitivity(model, qfuse.QConfig.int8_static(), data=[x[:32], x[32:]])
+    assert report.ranked()[0].name == "4"
+    with pytest.raises(qfuse.QFuseError, match="config=qfuse.QConfig"):
+        qfuse.sensitivity(model, data=[x])
+    with pytest.raises(qfuse.QFuseError, match="needs data"):
+        qfuse.sensitivity(model, qfuse.QConfig.int8_static(), eval_fn=lambda m: 1.0)
+    converted = qfuse.convert(calibrated(model, x))
+    with pytest.raises(qfuse.QFuseError, match="not a converted one"):
+        qfuse.sensitivity(converted, data=[x])
