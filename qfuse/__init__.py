@@ -1,10 +1,10 @@
 """qfuse: quantization-aware fusion for PyTorch.
 
-prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
-for batch in calibration_batches:
-    prepared(batch)
-qmodel = qfuse.convert(prepared)
-print(qfuse.summary(qmodel))
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
+    for batch in calibration_batches:
+        prepared(batch)
+    qmodel = qfuse.convert(prepared)
+    print(qfuse.summary(qmodel))
 """
 
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig

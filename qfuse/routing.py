@@ -36,10 +36,11 @@ class DeviceRates:
 
     Rates from ANCHORS.md (cuBLAS bf16 694 TFLOP/s, Triton int8 1096 TOPS, cuBLAS fp8 1272
     TFLOP/s); bandwidth 3.0 TB/s, what weight-streaming GEMMs reach (bf16 M=16 x 4096 x 14336:
-    117 MB in 41 us), below the 4.2 TB/s of a copy. ``host_us``: the eager per-call floor, below
-    which a layer cannot run however small (``bench/results/route_costs_h200.json``: bf16 ~7 us;
-    a fused layer ~30 us with one launch, ~64 us from M=128 on, where the input is quantized in a
-    separate pass before the GEMM).
+    117 MB in 41 us), below the 4.2 TB/s of a copy. ``host_us``: the per-call floor of eager
+    launches, below which a layer cannot run however small: the smallest times measured eagerly
+    with do_bench (``bench/results/route_costs_h200.json``: bf16 ~7 us; a fused layer ~30 us,
+    and ~64 us from M=128 on, where the tuned configs quantize the input in a separate pass
+    before the GEMM, two launches).
     """
 
     name: str = "NVIDIA H200"

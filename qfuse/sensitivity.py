@@ -26,13 +26,19 @@ from qfuse.prepare import prepare
 from qfuse.state import get_state
 
 
-def call(model, batch):
-    """Run ``model`` on one batch given as a tensor, a tuple of args or a dict of kwargs."""
+def split_batch(batch) -> tuple[tuple, dict]:
+    """(args, kwargs) of one batch given as a tensor, a tuple of args or a dict of kwargs."""
     if isinstance(batch, dict):
-        return model(**batch)
+        return (), batch
     if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def call(model, batch):
+    """Run ``model`` on one batch (see ``split_batch``)."""
+    args, kwargs = split_batch(batch)
+    return model(*args, **kwargs)
 
 
 def _float_leaves(out) -> torch.Tensor:
@@ -141,17 +147,8 @@ def _prepared(model, config, batches: list) -> fx.GraphModule:
         )
     if not batches:
         raise QFuseError("qfuse.sensitivity on a float model needs data: its calibration batches.")
-    first = batches[0]
-    args = (
-        ()
-        if isinstance(first, dict)
-        else tuple(first)
-        if isinstance(first, (tuple, list))
-        else (first,)
-    )
-    prepared = prepare(
-        model, config, args, example_kwargs=first if isinstance(first, dict) else None
-    )
+    args, kwargs = split_batch(batches[0])
+    prepared = prepare(model, config, args, example_kwargs=kwargs or None)
     for batch in batches:
         call(prepared, batch)
     return prepared

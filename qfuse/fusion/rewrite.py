@@ -30,7 +30,8 @@ def module_paths(chains: list[Chain]) -> dict[str, str]:
 
 
 def remove_observers(gm: fx.GraphModule, observer_names) -> None:
-    """Drop observer call_module nodes (each reader gets the observed value back) and modules."""
+    """Drop identity recorders (observers, GPTQ's input Hessians): their call_module nodes (each
+    reader gets the recorded value back) and their modules."""
     names = set(observer_names)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target in names:

@@ -6,16 +6,8 @@ torch 2.11 / triton 3.6, 2026-11-21; timings in bench/results/tune_h200.json). F
 prequantize.
 """
 
-_FIELDS = (
-    "block_m",
-    "block_n",
-    "block_k",
-    "group_m",
-    "split_k",
-    "num_warps",
-    "num_stages",
-    "prequantize",
-)
+_FIELDS = ("block_m", "block_n", "block_k", "group_m", "split_k", "num_warps", "num_stages",
+           "prequantize")
 
 _ROWS = {
     "NVIDIA H200|fp8-xf|M128|N1024|K4096": (64, 128, 128, 8, 1, 4, 4, True),

@@ -108,20 +108,13 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
             split = _split_for(tiles, triton.cdiv(K, 128), sms)
             for s in sorted({1, split}):
-                out.append(
-                    GemmConfig(
-                        bm, bn, 128, split_k=s, num_warps=warps, num_stages=4, prequantize=x_float
-                    )
-                )
+                out.append(GemmConfig(bm, bn, 128, split_k=s, num_warps=warps, num_stages=4,
+                                      prequantize=x_float))
         return out
     # Compute-bound: Inductor's best int8 template on H200 is 128x256x128, 3 stages, 8 warps;
     # 256x128 won as often here (1049 vs 1034 TOPS int8 at 16384x4096x14336).
-    for bm, bn, bk, stages in (
-        (128, 256, 128, 3),
-        (256, 128, 128, 3),
-        (128, 128, 128, 4),
-        (128, 256, 64, 4),
-    ):
+    for bm, bn, bk, stages in ((128, 256, 128, 3), (256, 128, 128, 3), (128, 128, 128, 4),
+                               (128, 256, 64, 4)):
         out.append(GemmConfig(bm, bn, bk, num_warps=8, num_stages=stages, prequantize=x_float))
     return out
 
@@ -166,9 +159,8 @@ def autotune(
     best, best_us = configs[0], float("inf")
     for cfg in configs:
         try:
-            us = triton.testing.do_bench(
-                lambda c=cfg: run(c), warmup=5, rep=25, return_mode="median"
-            )
+            us = triton.testing.do_bench(lambda c=cfg: run(c), warmup=5, rep=25,
+                                         return_mode="median")
         except Exception as exc:  # noqa: BLE001 — resource limits show up only at launch
             if report is not None:
                 report.append((cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
@@ -188,9 +180,8 @@ def for_epilogue(cfg: GemmConfig, heavy: bool) -> GemmConfig:
     128x128 2744 us (2754 in halves). fp8: GELU 128x128 2336 us against 5378 at 128x256.
     """
     if heavy and cfg.block_m * cfg.block_n > 128 * 128:
-        return dataclasses.replace(
-            cfg, block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, epi_split=1
-        )
+        return dataclasses.replace(cfg, block_m=128, block_n=128, block_k=128, num_warps=8,
+                                   num_stages=4, epi_split=1)
     return cfg
 
 

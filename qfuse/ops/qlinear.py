@@ -95,21 +95,8 @@ qlinear = torch.library.custom_op("qfuse::qlinear", _impl, mutates_args=())
 
 
 @qlinear.register_fake
-def _(
-    x,
-    weight,
-    scale,
-    bias,
-    x_inv_scale,
-    x_zero_point,
-    weight_sum,
-    residual,
-    out_inv_scale,
-    out_zero_point,
-    activation,
-    out_dtype,
-    x_scale=None,
-):
+def _(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual, out_inv_scale,
+      out_zero_point, activation, out_dtype, x_scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
@@ -123,21 +110,8 @@ def _eager(x: torch.Tensor) -> bool:
     )
 
 
-def qlinear_call(
-    x,
-    weight,
-    scale,
-    bias,
-    x_inv_scale,
-    x_zero_point,
-    weight_sum,
-    residual,
-    out_inv_scale,
-    out_zero_point,
-    activation,
-    out_dtype,
-    x_scale=None,
-):
+def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
+                 out_inv_scale, out_zero_point, activation, out_dtype, x_scale=None):
     """What modules call: the ``qfuse::qlinear`` op where it is traced, compiled, exported or
     differentiated, its body directly in plain eager inference.
 
@@ -146,18 +120,5 @@ def qlinear_call(
     kernel at decode sizes on an H200; skipping them changes no numbers.
     """
     fn = _impl if _eager(x) else torch.ops.qfuse.qlinear
-    return fn(
-        x,
-        weight,
-        scale,
-        bias,
-        x_inv_scale,
-        x_zero_point,
-        weight_sum,
-        residual,
-        out_inv_scale,
-        out_zero_point,
-        activation,
-        out_dtype,
-        x_scale,
-    )
+    return fn(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
+              out_inv_scale, out_zero_point, activation, out_dtype, x_scale)
