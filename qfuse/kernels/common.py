@@ -139,15 +139,28 @@ def silu(x):
 
 
 @triton.jit
-def activation(x, ACT: tl.constexpr):
+def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """The activation coded ``ACT``. ``FAST`` swaps the IEEE-exact GELU/SiLU polynomials (~40
+    float ops an element, run after the MMAs) for the hardware ``erf``/``exp`` forms: outputs then
+    differ from the CPU reference by rounding (int8: at most one step, rarely; tested in
+    tests/kernels/test_fast_epilogue.py). ReLU and identity are exact either way."""
     if ACT == 1:
         x = tl.maximum(x, 0.0)
     elif ACT == 2:
-        x = gelu_erf(x)
+        if FAST:
+            x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+        else:
+            x = gelu_erf(x)
     elif ACT == 3:
-        x = gelu_tanh(x)
+        if FAST:
+            x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * (x * x * x)))
+        else:
+            x = gelu_tanh(x)
     elif ACT == 4:
-        x = silu(x)
+        if FAST:
+            x = x * tl.sigmoid(x)
+        else:
+            x = silu(x)
     return x
 
 
