@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -183,7 +182,7 @@ def bench_model(model_name, batches, impls, rows, out_path):
         inp = tokens(batch, dev)
         ref = hidden(fp32(**inp)).double()
         if "fp32" in impls:
-            run_row(rows, model_name, batch, "fp32", "eager", lambda: fp32(**inp), ref, out_path)
+            run_row(rows, model_name, batch, "fp32", "eager", lambda i=inp: fp32(**i), ref, out_path)
         for impl in impls:
             if impl == "fp32":
                 continue
@@ -193,11 +192,11 @@ def bench_model(model_name, batches, impls, rows, out_path):
             modes = ("compile", "graph") if impl.startswith("torchao") else (
                 "eager", "compile", "graph")
             if "eager" in modes:
-                run_row(rows, model_name, batch, impl, "eager", lambda m=model: m(**inp), ref,
+                run_row(rows, model_name, batch, impl, "eager", lambda m=model, i=inp: m(**i), ref,
                         out_path)
             torch._dynamo.reset()
             compiled = torch.compile(model)
-            fn = lambda c=compiled: c(**inp)  # noqa: E731
+            fn = lambda c=compiled, i=inp: c(**i)  # noqa: E731
             run_row(rows, model_name, batch, impl, "compile", fn, ref, out_path)
             try:
                 replay = graphed(fn)

@@ -12,7 +12,6 @@ BERT-sized float input with a separate quantize pass (M=4096, d 768 -> 3072, GEL
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch

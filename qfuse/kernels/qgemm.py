@@ -412,7 +412,8 @@ class _Plan:
         d = scale
         self.gemm(
             tiles, cfg.split_k, stream,
-            x, weight, scale, x_scale if x_scale is not None else d, bias if bias is not None else d,
+            x, weight, scale, x_scale if x_scale is not None else d,
+            bias if bias is not None else d,
             x_inv_scale if x_inv_scale is not None else d,
             x_zero_point if x_zero_point is not None else d,
             weight_sum if weight_sum is not None else d,
