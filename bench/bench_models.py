@@ -182,7 +182,8 @@ def bench_model(model_name, batches, impls, rows, out_path):
         inp = tokens(batch, dev)
         ref = hidden(fp32(**inp)).double()
         if "fp32" in impls:
-            run_row(rows, model_name, batch, "fp32", "eager", lambda i=inp: fp32(**i), ref, out_path)
+            run_row(rows, model_name, batch, "fp32", "eager", lambda i=inp: fp32(**i), ref,
+                    out_path)
         for impl in impls:
             if impl == "fp32":
                 continue
