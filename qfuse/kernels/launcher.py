@@ -8,8 +8,7 @@ between calls (sizes fixed per layer, strides of contiguous tensors, constexprs)
 launcher directly with the ones that do (pointers, M, the grid).
 
 That is only valid while every argument specializes the same way as in the first launch: callers
-keep the changing integers ``do_not_specialize`` and pass 16-byte aligned, contiguous tensors
-(``aligned``). The launcher's calling convention is Triton's, not a public API; ``build`` checks
+keep the changing integers ``do_not_specialize`` and pass 16-byte aligned, contiguous tensors. The launcher's calling convention is Triton's, not a public API; ``build`` checks
 it once against an ordinary launch and returns the reason instead when it does not hold, so the
 caller falls back to the plain launch and ``qfuse.summary`` can say so.
 """
@@ -48,11 +47,6 @@ def build(compiled, kernel, args: dict, n_head: int) -> CachedLaunch | str:
         return CachedLaunch(compiled, args, n_head)
     except Exception as exc:  # noqa: BLE001 — another Triton's CompiledKernel: fall back
         return f"plain launch (this Triton's compiled kernel has no {exc})"
-
-
-def aligned(*tensors: torch.Tensor | None) -> bool:
-    """All given tensors start on a 16-byte boundary (what the first launch specialized on)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def raw_stream(device: torch.device) -> int:

@@ -31,7 +31,7 @@ from qfuse.kernels.common import (
     round_to_float_grid,
     tile_indices,
 )
-from qfuse.kernels.launcher import aligned, build, raw_stream
+from qfuse.kernels.launcher import build, raw_stream
 from qfuse.kernels.tuning import GemmConfig, m_bucket, pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
@@ -393,16 +393,16 @@ class _Plan:
         stream = raw_stream(dev)
         x_scale = None
         if self.quant is not None:
-            q = torch.empty((M, self.K), device=dev, dtype=self.qdtype)
+            q = x.new_empty((M, self.K), dtype=self.qdtype)
             if self.dynamic:
-                x_scale = torch.empty((M,), device=dev, dtype=torch.float32)
+                x_scale = x.new_empty((M,), dtype=torch.float32)
                 self.quant(-(-M // 4), 1, stream, x, x_scale, x_scale, q, x_scale, M)
             else:
                 zp = x_zero_point if x_zero_point is not None else x_inv_scale
                 self.quant(-(-M // 4), 1, stream, x, x_inv_scale, zp, q, x_inv_scale, M)
             x = q
         cfg = self.cfg
-        out = torch.empty((M, self.N), device=dev, dtype=self.out_dtype)
+        out = x.new_empty((M, self.N), dtype=self.out_dtype)
         tiles = -(-M // cfg.block_m) * -(-self.N // cfg.block_n)
         ws = locks = scale
         if cfg.split_k > 1:
@@ -472,22 +472,25 @@ def _build_plan(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, r
 
 
 def qlinear_eager(cache: dict, x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum,
-                  residual, out_inv_scale, out_zero_point, act, out_dtype, fast_act):
-    """``qlinear`` for plain eager CUDA calls, launching cached compiled kernels (``_Plan``).
+                  residual, out_inv_scale, out_zero_point, act, out_dtype, fast_act, check):
+    """``qlinear`` for plain eager CUDA calls on 2-D ``x``, launching cached compiled kernels.
 
-    ``cache`` is owned by the calling layer (one plan per M bucket and input/residual dtype).
-    A plan is built on the first call of its bucket (outside CUDA-graph capture) and checked
-    against Triton's own launch; when that fails, the reason is kept under ``cache["plain"]``
-    (``qfuse.summary`` shows it) and every call takes the ordinary launch.
+    ``cache`` is owned by the calling layer: one ``_Plan`` per (M bucket, x dtype, residual
+    dtype), built on the first call of its key (outside CUDA-graph capture, after ``check``
+    validated the arguments) and checked against Triton's own launch. When that check fails the
+    reason is kept under ``cache["plain"]`` (``qfuse.summary`` shows it) and every call takes the
+    ordinary launch. A hit skips the argument checks: the key pins every dtype the plan was
+    checked with, and the caller has checked K.
     """
     M = x.shape[0]
     key = (m_bucket(M), x.dtype, residual.dtype if residual is not None else None)
     plan = cache.get(key)
-    if plan is not None and x.stride() == (x.shape[1], 1) and aligned(x, residual) and (
-        residual is None or residual.is_contiguous()
-    ):
+    if (plan is not None and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and (residual is None or (residual.is_contiguous() and residual.data_ptr() % 16 == 0
+                                      and residual.shape == (M, plan.N)))):
         return plan(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
                     out_inv_scale, out_zero_point)
+    check(x, weight, x_inv_scale, x_zero_point, None, out_inv_scale, out_dtype)
     args = (x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
             out_inv_scale, out_zero_point, act, out_dtype)
     if (plan is not None or "plain" in cache or M == 0 or not x.is_contiguous()

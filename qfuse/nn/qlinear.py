@@ -122,17 +122,18 @@ class QLinear(QuantizedModule):
         return self.x_inv_scale is None and not self._input_quantized
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        b = self._buffers  # direct: nn.Module.__getattr__ costs ~0.3 us a buffer on this path
         return qlinear_call(
             x,
-            self.weight,
-            self.scale,
-            self.bias,
-            self.x_inv_scale,
-            self.x_zero_point,
-            self.weight_sum,
+            b["weight"],
+            b["scale"],
+            b["bias"],
+            b["x_inv_scale"],
+            b["x_zero_point"],
+            b["weight_sum"],
             residual,
-            self.out_inv_scale,
-            self.out_zero_point,
+            b["out_inv_scale"],
+            b["out_zero_point"],
             self.activation,
             self.out_dtype,
             None,

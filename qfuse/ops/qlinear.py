@@ -96,7 +96,7 @@ def _impl(
     if resolve_backend(x.device) is Backend.TRITON:
         from qfuse.kernels.qgemm import qlinear as kernel
 
-        wrap = torch.library.wrap_triton if x.device.type == "cuda" else None
+        wrap = torch.library.wrap_triton if x.device.type == "cuda" and not INTERPRETED else None
         out = kernel(*args, x_scale=xs2, fast_act=fast_act, wrap=wrap)
     else:
         out = reference.qlinear(*args, x_scale=xs2)
@@ -138,17 +138,22 @@ def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, 
         return torch.ops.qfuse.qlinear(x, weight, scale, bias, x_inv_scale, x_zero_point,
                                        weight_sum, residual, out_inv_scale, out_zero_point,
                                        activation, out_dtype, x_scale, fast_act)
-    if (cache is not None and x.is_cuda and x_scale is None and x.dim() >= 2
-            and resolve_backend(x.device) is Backend.TRITON and not INTERPRETED):
+    if (cache is not None and x.is_cuda and x_scale is None and not INTERPRETED
+            and resolve_backend(x.device) is Backend.TRITON):
         from qfuse.kernels.qgemm import qlinear_eager
 
-        _check(x, weight, x_inv_scale, x_zero_point, x_scale, out_inv_scale, out_dtype)
-        lead, K = x.shape[:-1], x.shape[-1]
-        N = weight.shape[0]
-        res2 = residual.reshape(-1, N) if residual is not None else None
-        out = qlinear_eager(cache, x.reshape(-1, K), weight, scale, bias, x_inv_scale,
-                            x_zero_point, weight_sum, res2, out_inv_scale, out_zero_point,
-                            activation, out_dtype, fast_act)
-        return out.view(*lead, N)
+        K = x.shape[-1]
+        if x.dim() == 2 and K == weight.shape[1]:  # the hot path: no reshapes, checked plans
+            return qlinear_eager(cache, x, weight, scale, bias, x_inv_scale, x_zero_point,
+                                 weight_sum, residual, out_inv_scale, out_zero_point,
+                                 activation, out_dtype, fast_act, _check)
+        if x.dim() > 2 and K == weight.shape[1]:
+            lead = x.shape[:-1]
+            N = weight.shape[0]
+            res2 = residual.reshape(-1, N) if residual is not None else None
+            out = qlinear_eager(cache, x.reshape(-1, K), weight, scale, bias, x_inv_scale,
+                                x_zero_point, weight_sum, res2, out_inv_scale, out_zero_point,
+                                activation, out_dtype, fast_act, _check)
+            return out.view(*lead, N)
     return _impl(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
                  out_inv_scale, out_zero_point, activation, out_dtype, x_scale, fast_act)
