@@ -8,7 +8,8 @@ between calls (sizes fixed per layer, strides of contiguous tensors, constexprs)
 launcher directly with the ones that do (pointers, M, the grid).
 
 That is only valid while every argument specializes the same way as in the first launch: callers
-keep the changing integers ``do_not_specialize`` and pass 16-byte aligned, contiguous tensors. The launcher's calling convention is Triton's, not a public API; ``build`` checks
+keep the changing integers ``do_not_specialize`` and pass 16-byte aligned, contiguous tensors.
+The launcher's calling convention is Triton's, not a public API; ``build`` checks
 it once against an ordinary launch and returns the reason instead when it does not hold, so the
 caller falls back to the plain launch and ``qfuse.summary`` can say so.
 """
