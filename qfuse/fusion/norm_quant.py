@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from qfuse.fusion.graph_utils import erase_if_dead
+from qfuse.fusion.patterns import is_eval_identity
 
 aten = torch.ops.aten
 
@@ -44,6 +45,10 @@ def fuse_layernorm_quant(gm: fx.GraphModule) -> dict[str, str]:
         eps = 1e-5 if eps is None else eps
         if len(shape) != 1:
             continue
+        for user in list(node.users):  # eval-mode dropout after the embeddings' LayerNorm
+            if is_eval_identity(user):
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
         readers = {u: m for u in node.users if (m := _static_reader(gm, u, node)) is not None}
         keys = {(m.weight.dtype, float(m.x_inv_scale),
                  int(m.x_zero_point) if m.x_zero_point is not None else 0)

@@ -26,6 +26,7 @@ import triton.language as tl
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     activation,
+    mul_rn,
     quantize_fp8,
     quantize_int8,
     round_to_float_grid,
@@ -65,9 +66,10 @@ def _epilogue(
         wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
         acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
     scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    y = acc.to(tl.float32) * scale[None, :]
+    # mul_rn: no FMA with the bias add, even where torch.compile launches this kernel
+    y = mul_rn(acc.to(tl.float32), scale[None, :])
     if X_ROW_SCALE:
-        y = y * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+        y = mul_rn(y, tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None])
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     y = activation(y, ACT, FAST_ACT)
