@@ -19,6 +19,7 @@ from torch import fx
 
 from qfuse.fusion.graph_utils import erase_if_dead
 from qfuse.fusion.patterns import is_eval_identity
+from qfuse.ops.layernorm import layer_norm_quant_call
 
 aten = torch.ops.aten
 
@@ -63,7 +64,7 @@ def fuse_layernorm_quant(gm: fx.GraphModule) -> dict[str, str]:
             zp = (gm.graph.get_attr(f"{first.target}.x_zero_point")
                   if mod.x_zero_point is not None else None)
             ln = gm.graph.call_function(
-                torch.ops.qfuse.layer_norm_quant.default,
+                layer_norm_quant_call,
                 (x, weight, bias, float(eps), inv, zp, mod.weight.dtype, bool(float_users)),
             )
             y = gm.graph.call_function(operator.getitem, (ln, 0))

@@ -69,25 +69,39 @@ def _ln_quant_kernel(
 _GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 
 
+def rows_per_program(D: int) -> int:
+    """~4K elements a program: the row stays in registers, without spills."""
+    return max(1, min(16, 4096 // triton.next_power_of_2(D)))
+
+
+def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted):
+    """Grid, arguments (by name, in the kernel's order: the 7 pointers and M first), launch
+    options and the outputs ``(y, q)`` of one launch over 2-D ``x`` [M, D]."""
+    M, D = x.shape
+    y = torch.empty((M, D) if write_y else (0,), device=x.device, dtype=x.dtype)
+    q = torch.empty((M, D), device=x.device, dtype=qdtype)
+    mant, emin = _GRIDS.get(x.dtype, (0, 0))  # integer rounding: exact on GPU and interpreter
+    dummy = inv_scale
+    block_m = rows_per_program(D)
+    args = dict(
+        x_ptr=x, w_ptr=weight if weight is not None else dummy,
+        b_ptr=bias if bias is not None else dummy, inv_scale_ptr=inv_scale,
+        zp_ptr=zero_point if zero_point is not None else dummy,
+        y_ptr=y if write_y else q, q_ptr=q,
+        M=M, D=D, stride_xm=x.stride(0), stride_ym=D, stride_qm=q.stride(0), eps=eps,
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_ZP=zero_point is not None,
+        FP8=qdtype == torch.float8_e4m3fn, WRITE_Y=write_y, Y_MANT=mant, Y_EMIN=emin,
+        EXACT=interpreted, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D),
+    )
+    return (-(-M // block_m),), args, dict(num_warps=4), y, q
+
+
 def layer_norm_quant(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted,
                      wrap=None):
     """LayerNorm over the last dim of 2-D ``x`` [M, D] and its quantization: ``(y, q)``, ``y``
     empty when ``write_y`` is False. ``wrap``: ``torch.library.wrap_triton`` when traced."""
-    M, D = x.shape
-    y = torch.empty((M, D) if write_y else (0,), device=x.device, dtype=x.dtype)
-    q = torch.empty((M, D), device=x.device, dtype=qdtype)
-    block_d = triton.next_power_of_2(D)
-    block_m = max(1, min(16, 4096 // block_d))  # ~4K elements a program: registers, not spills
-    mant, emin = _GRIDS.get(x.dtype, (0, 0))
+    grid, args, options, y, q = launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype,
+                                            write_y, interpreted)
     kernel = wrap(_ln_quant_kernel) if wrap is not None else _ln_quant_kernel
-    dummy = inv_scale
-    kernel[(-(-M // block_m),)](
-        x, weight if weight is not None else dummy, bias if bias is not None else dummy,
-        inv_scale, zero_point if zero_point is not None else dummy,
-        y if write_y else q, q,
-        M, D, x.stride(0), D, q.stride(0), eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, HAS_ZP=zero_point is not None,
-        FP8=qdtype == torch.float8_e4m3fn, WRITE_Y=write_y, Y_MANT=mant, Y_EMIN=emin,
-        EXACT=interpreted, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
-    )
+    kernel[grid](**args, **options)
     return y, q

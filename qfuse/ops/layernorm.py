@@ -57,3 +57,42 @@ def layer_norm_quant(
 def _(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y):
     y = x.new_empty(x.shape if write_y else (0,))
     return y, x.new_empty(x.shape, dtype=qdtype)
+
+
+_PLANS: dict = {}  # eager CUDA launches: key -> CachedLaunch (or the reason there is none)
+
+
+def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y):
+    """What converted graphs call: the op where traced, compiled or exported; in plain eager on
+    CUDA the kernel through a cached launch (``kernels.launcher``), skipping the dispatcher and
+    Triton's launch (~150 us of host time together on the H200 machine, per LayerNorm)."""
+    from qfuse.ops.qlinear import _eager
+
+    if not (_eager(x) and x.is_cuda and x.is_contiguous() and not INTERPRETED
+            and resolve_backend(x.device) is Backend.TRITON):
+        return torch.ops.qfuse.layer_norm_quant(x, weight, bias, eps, inv_scale, zero_point,
+                                                qdtype, write_y)
+    from qfuse.kernels import layernorm as k
+    from qfuse.kernels.launcher import build, raw_stream
+
+    D = x.shape[-1]
+    M = x.numel() // D
+    key = (x.device, D, x.dtype, qdtype, write_y, weight is None, bias is None,
+           zero_point is None, float(eps))
+    plan = _PLANS.get(key)
+    if plan is None or isinstance(plan, str) or x.data_ptr() % 16:
+        x2 = x.reshape(M, D)
+        grid, args, options, y, q = k.launch_args(x2, weight, bias, eps, inv_scale, zero_point,
+                                                  qdtype, write_y, False)
+        compiled = k._ln_quant_kernel[grid](**args, **options)
+        if plan is None:
+            _PLANS[key] = build(compiled, k._ln_quant_kernel, args, 8)
+    else:
+        y = x.new_empty(x.shape if write_y else (0,))
+        q = x.new_empty(x.shape, dtype=qdtype)
+        dummy = inv_scale
+        plan(-(-M // k.rows_per_program(D)), 1, raw_stream(x.device), x,
+             weight if weight is not None else dummy, bias if bias is not None else dummy,
+             inv_scale, zero_point if zero_point is not None else dummy,
+             y if write_y else q, q, M)
+    return (y.view(x.shape) if write_y else y), q.view(x.shape)

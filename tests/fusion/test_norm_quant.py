@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qfuse
+from qfuse.ops.layernorm import layer_norm_quant_call
 from tests.models import LNBlock
 
 X = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(0))
@@ -24,7 +25,7 @@ def _prepared(cfg, **kw):
 
 
 def _ln_ops(gm):
-    return [n for n in gm.graph.nodes if n.target is torch.ops.qfuse.layer_norm_quant.default]
+    return [n for n in gm.graph.nodes if n.target is layer_norm_quant_call]
 
 
 @pytest.mark.parametrize("cfg", ["int8_static", "int8_static_asymmetric", "fp8_static"])
