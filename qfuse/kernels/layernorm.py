@@ -28,8 +28,9 @@ def _ln_quant_kernel(
     M, D,
     # strides (rows; columns are contiguous)
     stride_xm, stride_ym, stride_qm,
-    eps,
-    # meta-parameters
+    # meta-parameters (EPS too: Inductor passes a Python float as fp64, which made the whole
+    # row fp64 and failed to lower to fp8 on the H200)
+    EPS: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ZP: tl.constexpr, FP8: tl.constexpr,
     WRITE_Y: tl.constexpr, Y_MANT: tl.constexpr, Y_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -44,7 +45,7 @@ def _ln_quant_kernel(
     mean = tl.sum(x, axis=1) / D
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / D
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + EPS)
     y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
@@ -88,7 +89,7 @@ def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, in
         b_ptr=bias if bias is not None else dummy, inv_scale_ptr=inv_scale,
         zp_ptr=zero_point if zero_point is not None else dummy,
         y_ptr=y if write_y else q, q_ptr=q,
-        M=M, D=D, stride_xm=x.stride(0), stride_ym=D, stride_qm=q.stride(0), eps=eps,
+        M=M, D=D, stride_xm=x.stride(0), stride_ym=D, stride_qm=q.stride(0), EPS=float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_ZP=zero_point is not None,
         FP8=qdtype == torch.float8_e4m3fn, WRITE_Y=write_y, Y_MANT=mant, Y_EMIN=emin,
         EXACT=interpreted, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D),
