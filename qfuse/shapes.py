@@ -57,7 +57,7 @@ class ShapeGuard(nn.Module):
     def forward(self, *args):
         try:
             return self.guards(*args)
-        except AssertionError as exc:
+        except (AssertionError, IndexError) as exc:  # IndexError: an input of lower rank
             raise ShapeError(self.describe(args, str(exc))) from exc
 
     def describe(self, args, failed: str) -> str:

@@ -149,6 +149,8 @@ def canonicalize_gemms(gm: fx.GraphModule) -> int:
 
 _LEFTOVER = {
     aten.conv1d.default: "conv1d",
+    aten.conv1d.padding: "conv1d",
+    aten.conv2d.padding: "conv2d",
     aten.addmm.default: "linear",
     aten.mm.default: "linear",
     aten.matmul.default: "linear",
@@ -175,8 +177,10 @@ def leftover_gemms(gm: fx.GraphModule) -> list[Skipped]:
             reason = "weight is computed at run time (e.g. weight_norm), not a parameter"
         elif len(w.users) > 1:
             reason = "weight is shared with another op (tied); quantizing it would change it"
+        elif node.target in (aten.conv1d.padding, aten.conv2d.padding):
+            reason = f"string padding ({node.args[4]!r}) is not supported yet"
         elif kind == "conv1d":
-            reason = "conv1d with string padding or unbatched input is not supported yet"
+            reason = "conv1d of unbatched input is not supported yet"
         else:
             reason = f"{node.target} with this operand layout is not a supported GEMM yet"
         skipped.append(Skipped(name, kind, reason))
