@@ -185,7 +185,7 @@ CNNS = {"convnext", "resnet", "mobilenet_v2"}
 
 
 @torch.no_grad()
-def reestimate_batchnorm(model, make_inputs, batches: int = 4) -> None:
+def reestimate_batchnorm(model, make_inputs, batches: int = 2) -> None:
     """Random-weight CNNs: BatchNorm's default statistics (mean 0, var 1) let activations shrink
     to ~1e-22 through MobileNetV2; statistics estimated on random data keep them O(1)."""
     bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -196,7 +196,7 @@ def reestimate_batchnorm(model, make_inputs, batches: int = 4) -> None:
         bn.momentum = None  # cumulative average over the batches
     model.train()
     for i in range(batches):
-        model(**make_inputs(batch=8, seed=100 + i))
+        model(**make_inputs(batch=4, seed=100 + i))
     model.eval()
 
 
@@ -234,7 +234,9 @@ def layer_sqnr(float_model, qmodel, inputs: dict) -> dict[str, float]:
 
         def grab(key, slot):
             def hook(module, args, output):
-                seen.setdefault(key, [None, None])[slot] = args[0] if slot == 0 else output
+                # clone: ResNet adds its residual in place (hidden += residual) afterwards
+                value = args[0] if slot == 0 else output
+                seen.setdefault(key, [None, None])[slot] = value.detach().clone()
 
             return hook
 
@@ -251,9 +253,12 @@ def layer_sqnr(float_model, qmodel, inputs: dict) -> dict[str, float]:
     return result
 
 
-def run(name: str, config, calib_batches: int = 4, save_dir: str | None = None) -> dict:
+def run(
+    name: str, config, calib_batches: int = 4, save_dir: str | None = None, device: str = "cpu"
+) -> dict:
     """prepare → calibrate → convert (graph and model) → run → save/load, for zoo entry
-    ``name``; a row of measured numbers."""
+    ``name`` on ``device``; a row of measured numbers."""
+    import copy
     import os
     import tempfile
     import time
@@ -261,7 +266,13 @@ def run(name: str, config, calib_batches: int = 4, save_dir: str | None = None) 
     import qfuse
 
     start = time.perf_counter()
-    model, make_inputs, key = build(name)
+    model, make_cpu_inputs, key = build(name)
+    model.to(device)
+    fresh = copy.deepcopy(model)  # the float skeleton qfuse.load fills
+
+    def make_inputs(**kwargs):
+        return {k: v.to(device) for k, v in make_cpu_inputs(**kwargs).items()}
+
     inputs = make_inputs()
     with torch.no_grad():
         ref = model(**inputs)[key]
@@ -281,7 +292,6 @@ def run(name: str, config, calib_batches: int = 4, save_dir: str | None = None) 
     directory = save_dir or tempfile.mkdtemp()
     path = os.path.join(directory, f"{name}.safetensors")
     qfuse.save(graph, path)
-    fresh, _, _ = build(name)
     loaded = qfuse.load(path, fresh, (), inputs)
     with torch.no_grad():
         reloaded = torch.equal(loaded(**inputs)[key], out_graph)
