@@ -167,7 +167,21 @@ def convert_model(
     notes: dict,
     inplace: bool,
 ) -> nn.Module:
-    """Swap the quantized layers into the user's model; see ``qfuse.convert``."""
+    """Swap the quantized layers into the user's model (``qfuse.convert(..., output="model")``).
+
+    Example:
+        >>> import torch, qfuse
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+        >>> x = torch.randn(4, 8)
+        >>> prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
+        >>> _ = prepared(x)
+        >>> qmodel = qfuse.convert(prepared, output="model")
+        >>> type(qmodel).__name__, type(qmodel[0]).__name__, type(model[0]).__name__
+        ('Sequential', 'SwappedQLinear', 'Linear')
+        >>> qfuse.summary(qmodel).rows[0]["note"].split(":")[0]
+        'graph chain Linear→GELU'
+    """
     from qfuse.convert import _build, _Plan, _record  # the same plan and builder as the graph
 
     if state.source is None:

@@ -158,3 +158,26 @@ def test_gpt2_conv1d_projections_quantize_and_generate():
     with torch.no_grad():
         out = qmodel.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(out, _greedy_no_cache(qmodel, ids, 4))
+
+
+def test_kv_cache_inputs_are_captured_without_the_cache():
+    from transformers import DynamicCache
+
+    from tests.zoo_models import build
+
+    model, make_inputs, _ = build("llama")
+    inputs = make_inputs()
+    with pytest.warns(UserWarning, match="past_key_values was dropped"):
+        prepared = qfuse.prepare(
+            model,
+            qfuse.QConfig.int8_static(),
+            (),
+            example_kwargs={**inputs, "use_cache": True, "past_key_values": DynamicCache()},
+        )
+    assert model.config.use_cache  # restored after capture
+    prepared(**inputs)
+    graph = qfuse.convert(prepared)
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = graph(**inputs).logits
+    assert ((out - ref).norm() / ref.norm()) < 0.1
