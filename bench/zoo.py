@@ -1,7 +1,7 @@
 """The zoo table: every small random-weight transformers architecture in tests/zoo_models.py
 through prepare → calibrate → convert → run → save/load, per config, on one device.
 
-    PYTHONPATH=. python bench/zoo.py [cpu|cuda]      # JSON in bench/results/zoo_<device>.json
+    PYTHONPATH=. python bench/zoo.py [cpu|cuda] [model ...]   # bench/results/zoo_<device>.json
 
 Columns: GEMMs quantized / total (the rest with the summary's reason), relative error of the
 converted graph and of the swapped model against float, the lowest per-layer SQNR (each
@@ -30,11 +30,11 @@ CONFIGS = {
 }
 
 
-def rows(device: str) -> list[dict]:
+def rows(device: str, names: list[str], results: Path, device_name: str) -> list[dict]:
     out = []
-    for name in ZOO:
+    for name in names:
         for label, make_config in CONFIGS.items():
-            if label == "int8 dynamic" and name in CNNS | {"whisper_encoder", "wav2vec2"}:
+            if label == "int8 dynamic" and name in CNNS | {"vit", "whisper_encoder", "wav2vec2"}:
                 continue  # convolutions are static-only (a clear UnsupportedError otherwise)
             if label == "fp8 static" and device == "cpu" and name in CNNS:
                 continue  # the fp8 conv reference is slow on CPU; measured on the GPU
@@ -47,6 +47,8 @@ def rows(device: str) -> list[dict]:
             row["config"] = label
             out.append(row)
             print(format_row(row), flush=True)
+            # written after every row: a run cut short by a time limit keeps what it measured
+            results.write_text(json.dumps({"device": device_name, "rows": out}, indent=1))
     return out
 
 
@@ -69,9 +71,11 @@ HEADER = (
 
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
-    print(HEADER)
-    table = rows(device)
+    names = sys.argv[2:] or list(ZOO)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    results = ROOT / "bench" / "results" / f"zoo_{'h200' if 'H200' in name else device}.json"
-    results.write_text(json.dumps({"device": name, "rows": table}, indent=1, default=str))
+    tag = "h200" if "H200" in name else device
+    suffix = "" if names == list(ZOO) else "_" + "_".join(names)
+    results = ROOT / "bench" / "results" / f"zoo_{tag}{suffix}.json"
+    print(HEADER)
+    rows(device, names, results, name)
     print(f"wrote {results}")

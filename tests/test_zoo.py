@@ -49,7 +49,7 @@ def test_zoo_int8_static(name, tmp_path):
     _judge(row, max_rel=MAX_REL_STATIC.get(name, 0.03))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # Mistral here is Llama's arch
 def test_zoo_llms_int8_dynamic(name, tmp_path):
     row = run(name, qfuse.QConfig.int8_dynamic(), save_dir=str(tmp_path))
     _judge(row, max_rel=0.03)
