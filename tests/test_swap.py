@@ -181,3 +181,10 @@ def test_kv_cache_inputs_are_captured_without_the_cache():
         ref = model(**inputs).logits
     out = graph(**inputs).logits
     assert ((out - ref).norm() / ref.norm()) < 0.1
+
+
+def test_graph_exporters_name_the_graph_result():
+    model, x = Block().eval(), torch.randn(4, 16)
+    qmodel = qfuse.convert(_prepared(model, x), output="model")
+    with pytest.raises(qfuse.QFuseError, match="output='graph'"):
+        qfuse.save(qmodel, "unused.safetensors")
