@@ -56,6 +56,9 @@ def capture(
         with without_cache(model, kwargs) as kwargs:
             if dynamic_shapes is None:
                 dynamic_shapes = default_dynamic_shapes(model, example_inputs, kwargs)
+            elif isinstance(dynamic_shapes, dict):  # without the cache inputs dropped above
+                dropped = set(example_kwargs or {}) - set(kwargs)
+                dynamic_shapes = {k: v for k, v in dynamic_shapes.items() if k not in dropped}
             program = torch.export.export(
                 model, example_inputs, kwargs, dynamic_shapes=dynamic_shapes, strict=False
             )
