@@ -1,4 +1,5 @@
-"""Graph capture: ``torch.export`` (non-strict) of the float model, with a dynamic batch dimension.
+"""Graph capture: ``torch.export`` (non-strict) of the float model, with dynamic batch and sequence
+dimensions.
 
 Why export and not ``torch.fx.symbolic_trace``: symbolic tracing fails on Hugging Face BERT
 (data-dependent control flow on tensor values and shapes) and transformers 5 no longer ships an
@@ -9,23 +10,29 @@ accepts symbolic (dynamic) dimensions, so one captured graph serves every batch 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import warnings
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from qfuse.errors import CaptureError
+from qfuse.fusion.gemms import canonicalize_gemms
+from qfuse.shapes import guard_inputs
 
 
 def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """Mark dim 0 (batch) of every tensor input as ``Dim.AUTO``; export keeps it static if the
-    model forces it (e.g. an example batch of 1 specialises)."""
+    """Mark every dimension of every tensor input as ``Dim.AUTO``: batch and sequence lengths stay
+    free, and export pins each dimension the model forces (a feature size a Linear reads, an
+    image size a position table fixes, an example size of 1). A later input of another size in a
+    pinned dimension raises ``ShapeError`` naming it (see ``guard_inputs``)."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
 
     def spec(value):
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return {0: torch.export.Dim.AUTO}
+            return {d: torch.export.Dim.AUTO for d in range(value.dim())}
         return None
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
@@ -45,12 +52,16 @@ def capture(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     model.eval()
-    if dynamic_shapes is None:
-        dynamic_shapes = default_dynamic_shapes(model, example_inputs, kwargs)
     try:
-        program = torch.export.export(
-            model, example_inputs, kwargs, dynamic_shapes=dynamic_shapes, strict=False
-        )
+        with without_cache(model, kwargs) as kwargs:
+            if dynamic_shapes is None:
+                dynamic_shapes = default_dynamic_shapes(model, example_inputs, kwargs)
+            elif isinstance(dynamic_shapes, dict):  # without the cache inputs dropped above
+                dropped = set(example_kwargs or {}) - set(kwargs)
+                dynamic_shapes = {k: v for k, v in dynamic_shapes.items() if k not in dropped}
+            program = torch.export.export(
+                model, example_inputs, kwargs, dynamic_shapes=dynamic_shapes, strict=False
+            )
     except Exception as exc:  # export raises many types; all mean "could not capture"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
@@ -61,7 +72,37 @@ def capture(
         ) from exc
     gm = program.module()
     follow_input_device(gm)
+    guard_inputs(gm)
+    canonicalize_gemms(gm)
     return gm
+
+
+@contextlib.contextmanager
+def without_cache(model: nn.Module, kwargs: dict):
+    """Capture a KV-cache model (transformers' ``use_cache`` / ``past_key_values``) without its
+    cache: cache objects (``DynamicCache``, ``StaticCache``) are not tensors export can return,
+    and the quantized layers are the same with or without one. Generation runs on
+    ``qfuse.convert(prepared, output="model")``, the model's own class, whose forward keeps its
+    caches. Yields the kwargs to capture with; ``config.use_cache`` is restored afterwards."""
+    params = inspect.signature(model.forward).parameters
+    kwargs = dict(kwargs)
+    dropped = [k for k in ("past_key_values", "use_cache") if kwargs.pop(k, None) is not None]
+    if "past_key_values" in dropped:
+        warnings.warn(
+            "qfuse.prepare: past_key_values was dropped; the graph is captured without a KV "
+            "cache (qfuse.convert(prepared, output='model') keeps the model's cache handling).",
+            stacklevel=4,
+        )
+    config = getattr(model, "config", None)
+    if "use_cache" not in params or not hasattr(config, "use_cache"):
+        yield kwargs
+        return
+    saved = config.use_cache
+    config.use_cache = False
+    try:
+        yield kwargs
+    finally:
+        config.use_cache = saved
 
 
 def _example_device(gm: fx.GraphModule) -> torch.device | None:

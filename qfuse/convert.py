@@ -209,9 +209,17 @@ def convert(
     keep_float: Mapping[str, str] | None = None,
     layer_dtypes: Mapping[str, torch.dtype] | None = None,
     notes: Mapping[str, str] | None = None,
+    output: str = "graph",
     fuse_norms: bool = True,
-) -> fx.GraphModule:
+) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
+
+    ``output="graph"`` (the default) returns the captured ``fx.GraphModule`` with every chain
+    fused (activations, residual adds and int8 hand-offs included): the artefact for
+    ``qfuse.save``, ``export_program``, ``auto_fallback`` and routing. ``output="model"`` returns
+    the model ``prepare`` was given, of its own class, with its quantized layers swapped in
+    (a deep copy, or the model itself with ``inplace=True``): transformers' ``generate``,
+    ``config`` and pipelines keep working; see ``qfuse.swap``.
 
     ``keep_float`` maps layer names to the reason they stay in float (mixed precision, e.g. from
     ``qfuse.auto_fallback``); ``qfuse.summary`` shows the reason. ``layer_dtypes`` gives layers
@@ -242,6 +250,10 @@ def convert(
             f"layer_dtypes {bad}: a layer is quantized to torch.int8 or torch.float8_e4m3fn "
             "(use keep_float to leave it in float)."
         )
+    if output not in ("graph", "model"):
+        raise UnsupportedError(f"output={output!r}: use 'graph' or 'model'.")
+    if output == "model":
+        return _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace)
     with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
         warnings.simplefilter("ignore", FutureWarning)
         gm = prepared if inplace else copy.deepcopy(prepared)
@@ -313,3 +325,18 @@ def convert(
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)
     return gm
+
+
+def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) -> torch.nn.Module:
+    from qfuse.swap import convert_model
+
+    chains = [c for c in state.chains if c.name not in keep_float]
+    dtypes = {c.name: layer_dtypes.get(c.name, state.config.dtype) for c in chains}
+    model = convert_model(prepared, state, chains, dtypes, notes, inplace)
+    kept = [
+        Skipped(c.name, c.kind, f"kept float: {keep_float[c.name]}")
+        for c in state.chains
+        if c.name in keep_float
+    ]
+    get_state(model).skipped[:0] = kept
+    return model

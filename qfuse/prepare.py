@@ -11,6 +11,7 @@ from qfuse.capture import capture
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.bn_fold import fold_batchnorm
+from qfuse.fusion.gemms import leftover_gemms
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.fusion.siblings import merge_sibling_linears
@@ -21,6 +22,12 @@ from qfuse.observers.hessian import InputHessian
 from qfuse.smoothquant import SmoothQuant
 from qfuse.smoothquant import select as smoothquant_select
 from qfuse.state import QFuseState, set_state
+from qfuse.validate import (
+    ModelRef,
+    check_eval_mode,
+    check_layer_globs,
+    explain_nothing_quantized,
+)
 
 
 def _check_supported(config) -> None:
@@ -122,10 +129,14 @@ def prepare(
                 "layer_configs may change the observer and activation scheme per layer, not the "
                 "dtype or weight granularity; use keep_float in qfuse.convert for mixed precision."
             )
+    check_eval_mode(model)
     gm = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     folded = fold_batchnorm(gm)
     merged = merge_sibling_linears(gm) if merge_siblings else []
     chains, skipped = find_chains(gm)
+    skipped += leftover_gemms(gm)
+    check_layer_globs(layer_configs, chains, "layer_configs")
+    skipped += explain_nothing_quantized(type(model).__name__, chains, skipped)
     nodes = {n.name: n for n in gm.graph.nodes}
     smoothed = smoothquant_select(gm, chains, smoothquant) if smoothquant else []
     smoothed_inputs = {c.input for c in chains if c.name in smoothed}
@@ -158,5 +169,6 @@ def prepare(
     state.merged = merged
     state.smoothquant, state.smoothed = smoothquant, smoothed
     state.gptq, state.hessians = gptq, hessians
+    state.source = ModelRef(model)
     set_state(gm, state)
     return gm

@@ -37,16 +37,23 @@ class QFuseState:
     gptq: object | None = None  # qfuse.gptq.GPTQ when enabled
     hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
     merged: list[list[str]] = field(default_factory=list)  # sibling Linears merged (members)
+    source: object | None = None  # qfuse.validate.ModelRef: the user's model (output="model")
 
 
 def get_state(model) -> QFuseState | None:
     """The qfuse record of a prepared/converted graph module, or None.
 
-    Kept in ``GraphModule.meta``, which (unlike plain attributes) survives ``copy.deepcopy``.
+    Kept in ``GraphModule.meta``, which (unlike plain attributes) survives ``copy.deepcopy``; on
+    any other module (``convert(output="model")``) in a plain attribute, which does.
     """
     meta = getattr(model, "meta", None)
-    return meta.get(STATE_KEY) if isinstance(meta, dict) else None
+    if isinstance(meta, dict) and STATE_KEY in meta:
+        return meta[STATE_KEY]
+    return getattr(model, "__dict__", {}).get(STATE_KEY)
 
 
 def set_state(model, state: QFuseState) -> None:
-    model.meta[STATE_KEY] = state
+    if isinstance(getattr(model, "meta", None), dict):
+        model.meta[STATE_KEY] = state
+    else:
+        model.__dict__[STATE_KEY] = state

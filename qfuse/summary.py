@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from qfuse.errors import QFuseError
+from qfuse.nn import QLinear
 from qfuse.ops.backend import resolve_backend
 from qfuse.state import get_state
 
@@ -54,7 +55,7 @@ class Summary:
 
 def _kernel(module) -> str:
     device = module.weight.device
-    has_triton = module.__class__.__name__ == "QLinear"
+    has_triton = isinstance(module, QLinear)
     try:
         backend = resolve_backend(device, has_triton_kernel=has_triton)
     except QFuseError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from qfuse.errors import QFuseError
@@ -17,6 +18,13 @@ def converted_state(model, caller: str) -> QFuseState:
         raise QFuseError(
             f"{caller} expects a model returned by qfuse.convert or qfuse.load; got {got}. "
             "Run qfuse.convert on the calibrated prepared model first."
+        )
+    if not isinstance(model, fx.GraphModule):
+        raise QFuseError(
+            f"{caller} writes the fused graph, and this {type(model).__name__} came from "
+            "qfuse.convert(prepared, output='model') (layers swapped into your model). Pass "
+            "qfuse.convert(prepared) (output='graph') here; the swapped model saves with its own "
+            "save_pretrained / torch.save."
         )
     return state
 

@@ -55,7 +55,11 @@ def fuse_chains(gm: fx.GraphModule, chains: list[Chain], modules: dict[str, nn.M
         anchor = nodes[chain.anchor]
         kwargs = {"residual": nodes[chain.residual]} if chain.residual else {}
         with gm.graph.inserting_before(out_node):
-            fused = gm.graph.call_module(paths[chain.name], (anchor.args[0],), kwargs)
+            # create_node: call_module would insist the module exist already, and a chain of a
+            # weight not named ".weight" gets its module below, after the float nodes are gone.
+            fused = gm.graph.create_node(
+                "call_module", paths[chain.name], (anchor.args[0],), kwargs
+            )
         fused.meta["val"] = out_node.meta.get("val")
         out_node.replace_all_uses_with(fused)
         erase_if_dead(gm, [nodes[n] for n in reversed(chain.nodes)])

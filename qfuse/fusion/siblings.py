@@ -45,6 +45,12 @@ def _merged_name(names: list[str]) -> tuple[str, str]:
     return parent, leaf
 
 
+def merged_path(names: list[str]) -> str:
+    """The layer name of the merged group of ``names`` (``attention.self.query_key_value``)."""
+    parent, leaf = _merged_name(names)
+    return f"{parent}.{leaf}" if parent else leaf
+
+
 def merge_sibling_linears(gm: fx.GraphModule) -> list[list[str]]:
     """Merge each eligible group in place; returns the member layer names of every group."""
     chains, _ = find_chains(gm)

@@ -112,6 +112,18 @@ class QLinear(QuantizedModule):
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
 
+    def rows(self, start: int, end: int) -> QLinear:
+        """The layer of output channels ``start:end`` (a merged Q/K/V layer split back into its
+        members for ``convert(output="model")``): per-channel buffers sliced, the rest shared."""
+        mod = QLinear.from_layout(self.layout(), dict(self._buffers))
+        per_channel = ("weight", "weight_scale", "scale", "bias", "weight_sum")
+        for name in per_channel:
+            t = self._buffers.get(name)
+            if t is not None:
+                mod._buffers[name] = t[start:end].clone()
+        mod._post_load()
+        return mod
+
     def _post_load(self) -> None:
         self.out_features, self.in_features = self.weight.shape
         self._launch_cache = {}

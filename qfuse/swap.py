@@ -1,0 +1,276 @@
+"""``qfuse.convert(prepared, output="model")``: the user's model back, of its own class, with its
+quantized layers swapped in place (as torchao's ``quantize_`` does), so that ``config``,
+``generate``, ``save_pretrained`` and pipelines keep working.
+
+The captured graph still decides what is quantized and how (observers, SmoothQuant, GPTQ, BatchNorm
+folding, per-layer dtypes): each fusible chain whose anchor is a module (``nn.Linear``,
+transformers' ``Conv1D``, ``nn.Conv2d``, ``nn.Conv1d``) is swapped for a ``QLinear`` / ``QConv2d`` /
+``QConv1d`` built from the same plan as the graph result. What a module cannot express stays where
+the model's forward computes it: an activation or residual add applied by the parent runs in float
+after the quantized GEMM (``torch.compile`` fuses such elementwise tails around the compile-visible
+kernels), and layers exchange float rather than int8. ``qfuse.summary`` says, per layer, what the
+graph chain was and which part the module took.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import torch
+from torch import fx, nn
+
+from qfuse.errors import QFuseError
+from qfuse.fusion.patterns import ACTIVATION_NAMES, Chain, Skipped
+from qfuse.nn import QConv2d, QLinear
+from qfuse.nn.qconv1d import QConv1d
+from qfuse.state import QFuseState, set_state
+
+_FOLDED_BIAS = "folded_bias"
+
+
+class _FloatFacing:
+    """A swapped layer, seen from its parent's forward: ``weight`` reports the float dtype the
+    layer computes in (as torchao's quantized tensors do). Models cast inputs to
+    ``layer.weight.dtype`` (ViT's patch embedding: ``pixel_values.to(projection.weight.dtype)``);
+    an int8 ``weight`` there turns the image into integers before the layer sees it. Inside
+    ``forward`` (and in ``state_dict``, which reads the buffer) ``weight`` is the quantized tensor.
+    Outside it, ``weight`` is an empty tensor of that dtype and device; ``qweight`` is the
+    quantized one."""
+
+    @property
+    def weight(self):
+        buffers = self.__dict__.get("_buffers", {})
+        if "weight" not in buffers:
+            raise AttributeError("weight")  # while nn.Module registers the buffer
+        quantized = buffers["weight"]
+        if quantized is None or self.__dict__.get("_in_kernel", False):
+            return quantized
+        dtype = self.out_dtype if self.out_dtype.is_floating_point else torch.float32
+        if dtype in (torch.float8_e4m3fn,):
+            dtype = torch.float32
+        return torch.empty(0, dtype=dtype, device=quantized.device)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self._buffers["weight"]
+
+    def forward(self, *args, **kwargs):
+        self.__dict__["_in_kernel"] = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.__dict__["_in_kernel"] = False
+
+
+class SwappedQLinear(_FloatFacing, QLinear):
+    """``QLinear`` swapped into a user's model (``weight`` faces the parent as float)."""
+
+
+class SwappedQConv2d(_FloatFacing, QConv2d):
+    """``QConv2d`` swapped into a user's model (``weight`` faces the parent as float)."""
+
+
+def _facing(module: nn.Module) -> nn.Module:
+    module.__class__ = SwappedQLinear if isinstance(module, QLinear) else SwappedQConv2d
+    return module
+
+
+def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> str:
+    """How ``chain`` maps onto a module of ``model``: "linear", "conv2d", "conv1d", "merged"
+    (sibling Linears prepare merged into one layer: split back, one module each), or the reason
+    it cannot be swapped (starting with "not swapped")."""
+    if members:
+        found = [model.get_submodule(m) if _has(model, m) else None for m in members]
+        if all(isinstance(m, nn.Linear) for m in found):
+            return "merged"
+        return "not swapped: a merged Q/K/V member is not an nn.Linear of the model"
+    try:
+        module = model.get_submodule(chain.name)
+    except AttributeError:
+        module = None
+    if module is None or chain.weight != f"{chain.name}.weight":
+        return (
+            "not swapped: the GEMM is not a module's forward (e.g. F.linear in a parent's "
+            "forward); output='graph' quantizes it"
+        )
+    if chain.kind == "linear" and (
+        isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    ):
+        return "linear"
+    if chain.kind == "conv2d" and isinstance(module, nn.Conv2d):
+        return "conv2d"
+    if chain.kind == "conv2d" and isinstance(module, nn.Conv1d):
+        return "conv1d"
+    return f"not swapped: {type(module).__name__} is not a module type qfuse swaps"
+
+
+def _folded_batchnorms(prepared: fx.GraphModule, state: QFuseState) -> dict[str, str | None]:
+    """Conv weight target -> the BatchNorm module folded into it (None if not a module).
+
+    ``fold_batchnorm`` folds in graph order and names each fold's bias ``...folded_bias``, so the
+    folded convs, in graph order, pair with ``state.folded_batchnorms``."""
+    convs = [
+        n
+        for n in prepared.graph.nodes
+        if n.op == "call_function"
+        and n.target == torch.ops.aten.conv2d.default
+        and len(n.args) > 2
+        and isinstance(n.args[2], fx.Node)
+        and str(n.args[2].target).endswith(_FOLDED_BIAS)
+    ]
+    pairs = {}
+    for conv, bn in zip(convs, state.folded_batchnorms, strict=False):
+        pairs[conv.args[1].target] = bn[: -len(".weight")] if bn.endswith(".weight") else None
+    return pairs
+
+
+# What parents read off their layers (MobileNetV2's TF padding reads kernel_size and stride,
+# Whisper's encoder conv1.stride, GPT-2's Conv1D nf): copied from the float module.
+_FLOAT_ATTRS = (
+    "in_features",
+    "out_features",
+    "in_channels",
+    "out_channels",
+    "kernel_size",
+    "stride",
+    "padding",
+    "dilation",
+    "groups",
+    "padding_mode",
+    "nf",
+    "nx",
+)
+
+
+def _keep_attrs(float_module: nn.Module, quantized: nn.Module) -> nn.Module:
+    for attr in _FLOAT_ATTRS:
+        if attr in float_module.__dict__ and attr not in quantized.__dict__:
+            setattr(quantized, attr, float_module.__dict__[attr])
+    return quantized
+
+
+def _left_to_forward(chain: Chain, model_name: str) -> str:
+    parts = []
+    if chain.activation != "none":
+        parts.append(ACTIVATION_NAMES[chain.activation])
+    if chain.residual is not None:
+        parts.append("residual add")
+    if not parts:
+        return ""
+    return (
+        f"graph chain {chain.pattern}: the {' and '.join(parts)} run in {model_name}.forward "
+        "(module swap); output='graph' fuses the whole chain"
+    )
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def convert_model(
+    prepared: fx.GraphModule,
+    state: QFuseState,
+    chains: list[Chain],
+    dtypes,
+    notes: dict,
+    inplace: bool,
+) -> nn.Module:
+    """Swap the quantized layers into the user's model (``qfuse.convert(..., output="model")``).
+
+    Example:
+        >>> import torch, qfuse
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+        >>> x = torch.randn(4, 8)
+        >>> prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
+        >>> _ = prepared(x)
+        >>> qmodel = qfuse.convert(prepared, output="model")
+        >>> type(qmodel).__name__, type(qmodel[0]).__name__, type(model[0]).__name__
+        ('Sequential', 'SwappedQLinear', 'Linear')
+        >>> qfuse.summary(qmodel).rows[0]["note"].split(":")[0]
+        'graph chain Linear→GELU'
+    """
+    from qfuse.convert import _build, _Plan, _record  # the same plan and builder as the graph
+
+    if state.source is None:
+        raise QFuseError(
+            "this prepared model does not hold the model it was prepared from; "
+            "use qfuse.convert(prepared) (output='graph') or prepare the model again."
+        )
+    source = state.source.model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = source if inplace else copy.deepcopy(source)
+    if not inplace:
+        model.requires_grad_(False)  # an inference artefact (see qfuse.convert)
+    model.eval()
+    bns = _folded_batchnorms(prepared, state)
+    from qfuse.fusion.siblings import merged_path
+
+    groups = {merged_path(g): g for g in state.merged}
+    slots, unswapped = {}, []
+    for chain in chains:
+        slot = _slot(model, chain, groups.get(chain.name))
+        if chain.bias and chain.bias.endswith(_FOLDED_BIAS) and bns.get(chain.weight) is None:
+            slot = "not swapped: its folded BatchNorm is not a module the model can drop"
+        if slot.startswith("not swapped"):
+            unswapped.append(Skipped(chain.name, chain.kind, slot))
+        else:
+            slots[chain.name] = slot
+    swapped = [c for c in chains if c.name in slots]
+    hessians = {
+        c.name: prepared.get_submodule(state.hessians[c.name])
+        for c in swapped
+        if c.name in state.hessians
+    }
+    plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians)
+    nodes = {n.name: n for n in prepared.graph.nodes}
+    layers = []
+    for chain in swapped:
+        bare = dataclasses.replace(chain, activation="none", residual=None, nodes=[chain.anchor])
+        float_dtype = nodes[chain.anchor].meta["val"].dtype
+        module = _build(bare, state.config, plan, None, False, float_dtype)
+        if slots[chain.name] == "merged":
+            start = 0
+            for member in groups[chain.name]:
+                float_member = model.get_submodule(member)
+                part = module.rows(start, start + float_member.out_features)
+                start += float_member.out_features
+                model.set_submodule(member, _keep_attrs(float_member, part))
+                note = f"split back from the merged layer {chain.name}"
+                layers.append(_record(dataclasses.replace(bare, name=member), part, member,
+                                      None, [], [note]))
+                _facing(part)
+            continue
+        path = chain.name
+        float_module = model.get_submodule(chain.name)
+        if slots[chain.name] == "conv1d":
+            model.set_submodule(chain.name, _keep_attrs(float_module, QConv1d(module)))
+            path = f"{chain.name}.conv"
+        else:
+            model.set_submodule(chain.name, _keep_attrs(float_module, module))
+        layer_notes = [n for n in (_left_to_forward(chain, type(model).__name__),) if n]
+        bn = bns.get(chain.weight)
+        if bn is not None:
+            model.set_submodule(bn, nn.Identity())
+            layer_notes.append(f"BatchNorm {bn} folded into the weights (module → Identity)")
+        if chain.name in state.smoothed:
+            layer_notes.append(f"SmoothQuant alpha={state.smoothquant.alpha}")
+        if chain.name in plan.weight_scales:
+            layer_notes.append(state.gptq.describe())
+        if chain.name in notes:
+            layer_notes.append(notes[chain.name])
+        layers.append(_record(bare, module, path, None, [], layer_notes))
+        _facing(module)
+    result = copy.copy(state)
+    result.stage, result.layers, result.observers, result.hessians = "converted", layers, {}, {}
+    result.skipped = unswapped + list(state.skipped)
+    result.source = None
+    set_state(model, result)
+    return model

@@ -1,0 +1,310 @@
+"""Small, random-weight configurations of the transformers architectures people quantize.
+
+Each entry builds ``(model, example_kwargs, output_key)`` in eval mode: small enough that the zoo
+runs in CI in seconds per model, shaped like the real thing (GQA heads, Conv1D projections, conv
+front-ends, BatchNorm CNNs). Shared by ``tests/test_zoo.py`` and ``bench/zoo.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+
+
+def _tokens(batch: int = 2, seq: int = 12, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, VOCAB, (batch, seq), generator=g)}
+
+
+def _lm(cls_name: str, config_name: str, **extra):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        **extra,
+    )
+    return getattr(transformers, cls_name)(config)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128)
+    return GPT2LMHeadModel(config), _tokens, "logits"
+
+
+def llama():
+    return _lm("LlamaForCausalLM", "LlamaConfig"), _tokens, "logits"
+
+
+def qwen2():
+    return _lm("Qwen2ForCausalLM", "Qwen2Config"), _tokens, "logits"
+
+
+def mistral():
+    return _lm("MistralForCausalLM", "MistralConfig", sliding_window=None), _tokens, "logits"
+
+
+def bert():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+    )
+    return BertModel(config, add_pooling_layer=False), _tokens, "last_hidden_state"
+
+
+def distilbert():
+    from transformers import DistilBertConfig, DistilBertModel
+
+    config = DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=VOCAB)
+    return DistilBertModel(config), _tokens, "last_hidden_state"
+
+
+def t5_encoder():
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=VOCAB)
+    return T5EncoderModel(config), _tokens, "last_hidden_state"
+
+
+def _images(channels: int = 3, size: int = 32):
+    def make(batch: int = 2, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}
+
+    return make
+
+
+def vit():
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
+    return ViTModel(config, add_pooling_layer=False), _images(), "last_hidden_state"
+
+
+def convnext():
+    from transformers import ConvNextConfig, ConvNextModel
+
+    config = ConvNextConfig(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], image_size=32)
+    return ConvNextModel(config), _images(), "last_hidden_state"
+
+
+def resnet():
+    from transformers import ResNetConfig, ResNetModel
+
+    config = ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], layer_type="basic"
+    )
+    return ResNetModel(config), _images(), "last_hidden_state"
+
+
+def mobilenet_v2():
+    from transformers import MobileNetV2Config, MobileNetV2Model
+
+    config = MobileNetV2Config(image_size=32, depth_multiplier=0.35)
+    return MobileNetV2Model(config), _images(), "last_hidden_state"
+
+
+def whisper_encoder():
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(
+        d_model=64,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        num_mel_bins=16,
+        max_source_positions=32,
+    )
+
+    def make(batch: int = 2, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_features": torch.randn(batch, 16, 64, generator=g)}
+
+    return WhisperEncoder(config), make, "last_hidden_state"
+
+
+def wav2vec2():
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+    )
+
+    def make(batch: int = 2, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_values": torch.randn(batch, 800, generator=g)}
+
+    return Wav2Vec2Model(config), make, "last_hidden_state"
+
+
+ZOO = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "qwen2": qwen2,
+    "mistral": mistral,
+    "bert": bert,
+    "distilbert": distilbert,
+    "t5_encoder": t5_encoder,
+    "vit": vit,
+    "convnext": convnext,
+    "resnet": resnet,
+    "mobilenet_v2": mobilenet_v2,
+    "whisper_encoder": whisper_encoder,
+    "wav2vec2": wav2vec2,
+}
+CNNS = {"convnext", "resnet", "mobilenet_v2"}
+
+
+@torch.no_grad()
+def reestimate_batchnorm(model, make_inputs, batches: int = 2) -> None:
+    """Random-weight CNNs: BatchNorm's default statistics (mean 0, var 1) let activations shrink
+    to ~1e-22 through MobileNetV2; statistics estimated on random data keep them O(1)."""
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None  # cumulative average over the batches
+    model.train()
+    for i in range(batches):
+        model(**make_inputs(batch=4, seed=100 + i))
+    model.eval()
+
+
+def build(name: str, seed: int = 0):
+    """``(model, make_inputs, output_key)`` for zoo entry ``name``, random weights, eval mode."""
+    torch.manual_seed(seed)
+    model, make_inputs, key = ZOO[name]()
+    reestimate_batchnorm(model, make_inputs)
+    return model.eval(), make_inputs, key
+
+
+def _sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    noise = (ref.double() - out.double()).pow(2).mean()
+    signal = ref.double().pow(2).mean()
+    return float("inf") if noise == 0 else float(10 * torch.log10(signal / noise))
+
+
+@torch.no_grad()
+def layer_sqnr(float_model, qmodel, inputs: dict) -> dict[str, float]:
+    """SQNR (dB) of every swapped layer on the float model's own input to that layer: the
+    quantization noise of each layer alone, which is how a chaotic random network (3.5% noise on
+    MobileNetV2's first conv moves its output by 73%) is judged. A conv whose BatchNorm was folded
+    is compared with the float BatchNorm's output."""
+    import re
+
+    import qfuse
+
+    seen: dict[str, tuple] = {}
+    hooks = []
+    rows = [r for r in qfuse.summary(qmodel).rows if r["precision"] != "float"]
+    for row in rows:
+        path = row["name"][: -len(".conv")] if row["name"].endswith(".conv") else row["name"]
+        bn = re.search(r"BatchNorm (\S+) folded", row["note"] or "")
+        out_path = bn.group(1) if bn else path
+
+        def grab(key, slot):
+            def hook(module, args, output):
+                # clone: ResNet adds its residual in place (hidden += residual) afterwards
+                value = args[0] if slot == 0 else output
+                seen.setdefault(key, [None, None])[slot] = value.detach().clone()
+
+            return hook
+
+        hooks.append(float_model.get_submodule(path).register_forward_hook(grab(path, 0)))
+        hooks.append(float_model.get_submodule(out_path).register_forward_hook(grab(path, 1)))
+    try:
+        float_model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    result = {}
+    for path, (x, ref) in seen.items():
+        result[path] = _sqnr_db(ref, qmodel.get_submodule(path)(x))
+    return result
+
+
+def run(
+    name: str, config, calib_batches: int = 4, save_dir: str | None = None, device: str = "cpu"
+) -> dict:
+    """prepare → calibrate → convert (graph and model) → run → save/load, for zoo entry
+    ``name`` on ``device``; a row of measured numbers."""
+    import copy
+    import os
+    import tempfile
+    import time
+
+    import qfuse
+
+    start = time.perf_counter()
+    model, make_cpu_inputs, key = build(name)
+    model.to(device)
+    fresh = copy.deepcopy(model)  # the float skeleton qfuse.load fills
+
+    def make_inputs(**kwargs):
+        return {k: v.to(device) for k, v in make_cpu_inputs(**kwargs).items()}
+
+    inputs = make_inputs()
+    with torch.no_grad():
+        ref = model(**inputs)[key]
+    prepared = qfuse.prepare(model, config, (), example_kwargs=inputs)
+    with torch.no_grad():
+        for i in range(calib_batches):
+            prepared(**make_inputs(seed=1 + i))
+    graph = qfuse.convert(prepared)
+    swapped = qfuse.convert(prepared, output="model")
+    with torch.no_grad():
+        out_graph = graph(**inputs)[key]
+        out_model = swapped(**inputs)[key]
+    rel = lambda out: float((out - ref).norm() / ref.norm())  # noqa: E731
+    rows = qfuse.summary(graph).rows
+    left = {r["name"]: r["note"] for r in rows if r["precision"] == "float"}
+    sqnr = layer_sqnr(model, swapped, inputs)
+    directory = save_dir or tempfile.mkdtemp()
+    path = os.path.join(directory, f"{name}.safetensors")
+    qfuse.save(graph, path)
+    loaded = qfuse.load(path, fresh, (), inputs)
+    with torch.no_grad():
+        reloaded = torch.equal(loaded(**inputs)[key], out_graph)
+    return {
+        "model": name,
+        "class": type(swapped).__name__,
+        "same_class": type(swapped) is type(model),
+        "quantized": len(rows) - len(left),
+        "gemms": len(rows),
+        "left_float": left,
+        "rel_err_graph": rel(out_graph),
+        "rel_err_model": rel(out_model),
+        "min_layer_sqnr_db": min(sqnr.values()) if sqnr else None,
+        "reloaded_equal": reloaded,
+        "seconds": time.perf_counter() - start,
+    }
