@@ -114,13 +114,12 @@ class QLinear(QuantizedModule):
 
     def rows(self, start: int, end: int) -> QLinear:
         """The layer of output channels ``start:end`` (a merged Q/K/V layer split back into its
-        members for ``convert(output="model")``): per-channel buffers sliced, the rest shared."""
-        mod = QLinear.from_layout(self.layout(), dict(self._buffers))
+        members for ``convert(output="model")``): per-channel buffers sliced, the rest copied
+        (no shared storage: ``save_pretrained`` refuses tensors shared between modules)."""
         per_channel = ("weight", "weight_scale", "scale", "bias", "weight_sum")
-        for name in per_channel:
-            t = self._buffers.get(name)
-            if t is not None:
-                mod._buffers[name] = t[start:end].clone()
+        buffers = {k: (v[start:end] if k in per_channel else v).clone()
+                   for k, v in self._buffers.items() if v is not None}
+        mod = QLinear.from_layout(self.layout(), buffers)
         mod._post_load()
         return mod
 
