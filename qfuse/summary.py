@@ -53,13 +53,15 @@ class Summary:
 
 
 def _kernel(module) -> str:
+    """The kernel that runs ``module`` on its device now; every fused module has a Triton kernel
+    and may name it (``triton_kernel``), QLinear's is the GEMM."""
     device = module.weight.device
-    has_triton = module.__class__.__name__ == "QLinear"
     try:
-        backend = resolve_backend(device, has_triton_kernel=has_triton)
+        backend = resolve_backend(device)
     except QFuseError as exc:
         return f"error: {exc}"
-    name = "triton qgemm" if backend.value == "triton" else "torch reference"
+    triton_name = getattr(module, "triton_kernel", "triton qgemm")
+    name = triton_name if backend.value == "triton" else "torch reference"
     return f"{name} ({device.type})"
 
 

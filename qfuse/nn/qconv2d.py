@@ -103,6 +103,14 @@ class QConv2d(QuantizedModule):
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
 
+    @property
+    def triton_kernel(self) -> str:
+        """Which Triton kernel runs this layer on CUDA (``qfuse.summary``'s kernel column)."""
+        out_c, in_per_group = self.weight.shape[:2]
+        if in_per_group == 1 and self.groups == out_c:
+            return "triton depthwise conv"
+        return "triton implicit-GEMM conv"
+
     @classmethod
     def from_layout(cls, layout: dict, tensors: dict[str, torch.Tensor]) -> QConv2d:
         # Files written before post-activation fusion have no such field: nothing after the add.
