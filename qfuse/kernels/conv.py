@@ -283,6 +283,15 @@ def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> Con
     return ConvConfig(block_m, block_n, block_k, warps, 4 if block_k <= 64 else 3)
 
 
+def pick_depthwise_config(M: int, channels: int) -> ConvConfig:
+    """Depthwise tiles: ``block_n`` is the channel block (16-byte int8 runs per pixel at 16+)."""
+    if INTERPRETED:
+        return ConvConfig(32, 32, 0, 4, 1)
+    block_c = 64 if channels >= 64 else 32 if channels >= 32 else 16
+    block_m = 64 if M >= 4096 else 32
+    return ConvConfig(block_m, block_c, 0, 4, 1)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The kernel's weight layout: ``[O, I/g, KH, KW]`` stored channels-last (``[O, KH, KW, I]``
     in memory), so the channels of one tap — and for the stem the whole of K — are contiguous.
@@ -362,15 +371,16 @@ def qconv2d(
     sw = weight.stride()
     depthwise = groups == c_in and groups == c_out and cg_in == 1
     if depthwise:
-        block_m = 32 if INTERPRETED else (64 if M >= 4096 else 32)
-        block_c = 32 if INTERPRETED else (64 if c_out >= 64 else 32)
+        cfg = config or pick_depthwise_config(M, c_out)
+        block_m, block_c = cfg.block_m, cfg.block_n
         grid = (triton.cdiv(M, block_m), triton.cdiv(c_out, block_c))
         launch(_dwconv_kernel)[grid](
             x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
             opt(out_inv_scale), opt(out_zero_point), out,
             M, h, w, oh, ow, c_out,
             sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], c_out, c_out,
-            **flags, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4, num_stages=1,
+            **flags, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
             enable_fp_fusion=False,
         )
         return out
