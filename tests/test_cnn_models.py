@@ -96,6 +96,29 @@ def test_triton_matches_reference_on_a_whole_network():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.gpu
+def test_compiled_and_graphed_match_eager():
+    """``qfuse::qconv2d`` is a triton_op: torch.compile(fullgraph=True) takes the kernel into its
+    graph; a CUDA-graph replay gives the same output."""
+    g = torch.Generator().manual_seed(0)
+    model = reestimate_batchnorm(TinyMobileNet().cuda(),
+                                 lambda: torch.randn(4, 3, 16, 16, generator=g).cuda())
+    x = torch.randn(4, 3, 16, 16, generator=g).cuda()
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=(x,))
+    prepared(x)
+    qmodel = qfuse.convert(prepared)
+    with torch.no_grad():
+        out = qmodel(x)
+        compiled = torch.compile(qmodel, fullgraph=True)
+        torch.testing.assert_close(compiled(x), out, rtol=1e-3, atol=1e-3)
+        graph = torch.cuda.CUDAGraph()
+        qmodel(x)
+        with torch.cuda.graph(graph):
+            static = qmodel(x)
+        graph.replay()
+        assert torch.equal(static, out)
+
+
 def _torchvision():
     tv = pytest.importorskip("torchvision")
     try:
