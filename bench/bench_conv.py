@@ -163,9 +163,9 @@ def network_rows(name, batches, dtypes, rows, profiles):
                     out = m(x)
                     row["rel_err_vs_fp32"] = H.rel_err(out.float(), ref)
                     row["top1_agree_fp32"] = (out.argmax(1) == ref.argmax(1)).float().mean().item()
-                    row["eager_us"] = do_bench(lambda m=m: m(x), warmup=3, rep=20,
+                    row["eager_us"] = do_bench(lambda m=m, x=x: m(x), warmup=3, rep=20,
                                                return_mode="median") * 1e3
-                    row["graph_us"] = graph_us(lambda m=m: m(x))
+                    row["graph_us"] = graph_us(lambda m=m, x=x: m(x))
                 except Exception as exc:  # noqa: BLE001 — a failing row is a result
                     row["error"] = H.error_text(exc)
                 rows.append(row)
@@ -174,7 +174,7 @@ def network_rows(name, batches, dtypes, rows, profiles):
                 for impl, m in [("bf16_eager", model)] + [(f"qfuse_{d}", qmodels[d])
                                                           for d in dtypes]:
                     try:
-                        profiles[f"{name}/{impl}/b{batch}"] = profile(lambda m=m: m(x))
+                        profiles[f"{name}/{impl}/b{batch}"] = profile(lambda m=m, x=x: m(x))
                     except Exception as exc:  # noqa: BLE001
                         profiles[f"{name}/{impl}/b{batch}"] = [dict(error=H.error_text(exc))]
     base = {(r["network"], r["batch"]): r.get("graph_us") for r in rows
