@@ -131,9 +131,16 @@ def _torchvision():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, min_sqnr", [("resnet18", 15), ("resnet50", 12),
-                                            ("mobilenet_v3_small", 8)])
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]])
+@pytest.mark.parametrize(
+    "name, min_sqnr, config",
+    [
+        ("resnet18", 15, CONFIGS[0].values[0]),
+        ("resnet18", 10, CONFIGS[2].values[0]),
+        ("resnet50", 12, CONFIGS[0].values[0]),
+        ("mobilenet_v3_small", 8, CONFIGS[0].values[0]),
+    ],
+    ids=["resnet18-int8", "resnet18-fp8", "resnet50-int8", "mobilenet_v3_small-int8"],
+)
 def test_torchvision(name, min_sqnr, config, tmp_path):
     tv = _torchvision()
 
