@@ -108,7 +108,7 @@ def load_or_train(x, y, epochs: int, seed: int, use_cache: bool) -> DigitsResNet
     return model
 
 
-def run(epochs: int = 8, seed: int = 0, use_cache: bool = True, device: str | None = None,
+def run(epochs: int = 6, seed: int = 0, use_cache: bool = True, device: str | None = None,
         batch_size: int = 256) -> dict:
     """Train/load, quantize int8 and fp8, evaluate. Returns the numbers the table prints.
 
@@ -153,7 +153,7 @@ def run(epochs: int = 8, seed: int = 0, use_cache: bool = True, device: str | No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cache", action="store_true", help="retrain, do not read/write cache")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -67,6 +67,7 @@ def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, paddin
 
 def check(args, **kw) -> None:
     out = conv.qconv2d(**args, **kw)
+    on_gpu = out.is_cuda
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     ref = reference.qconv2d(**cpu)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -75,14 +76,16 @@ def check(args, **kw) -> None:
     if args["weight"].dtype == torch.int8:
         assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
         return
+    # fp8: float32 accumulation in the interpreter; on Hopper fp8 wgmma accumulates at the tensor
+    # core's reduced precision (see tests/kernels/test_qgemm.py), so the GPU bounds are looser.
+    a, b = out.double(), ref.double()
     if out.dtype == FP8:  # one e4m3 step where the exact value sits on a rounding boundary
-        a, b = out.float(), ref.float()
         step = torch.maximum(a.abs(), b.abs()) / 8 + 2.0**-9
-        assert ((a - b).abs() <= step).all()
-        assert (a != b).float().mean() < 0.05
-    else:  # float32 accumulation order, then one rounding to the output dtype
-        tol = 1e-3 if out.dtype == torch.float32 else 2.0**-7
-        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        assert ((a - b).abs() <= step * (2 if on_gpu else 1)).all()
+        assert (a != b).float().mean() < (0.05 if on_gpu else 0.02)
+    else:  # then one rounding to the output dtype
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < (1e-3 if on_gpu else 1e-5) + (2.0**-8 if out.dtype != torch.float32 else 0)
 
 
 VARIANTS = {
