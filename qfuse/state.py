@@ -36,6 +36,7 @@ class QFuseState:
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
     gptq: object | None = None  # qfuse.gptq.GPTQ when enabled
     hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
+    merged: list[list[str]] = field(default_factory=list)  # sibling Linears merged (members)
 
 
 def get_state(model) -> QFuseState | None:

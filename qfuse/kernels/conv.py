@@ -30,6 +30,7 @@ import triton.language as tl
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     activation,
+    mul_rn,
     quantize_fp8,
     quantize_int8,
     round_to_float_grid,
@@ -57,7 +58,8 @@ def _epilogue(
         wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
         acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
     scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    y = acc.to(tl.float32) * scale[None, :]
+    # mul_rn: no FMA with the bias add, even where torch.compile launches this kernel
+    y = mul_rn(acc.to(tl.float32), scale[None, :])
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     y = activation(y, ACT)

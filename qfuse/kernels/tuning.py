@@ -116,6 +116,19 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     for bm, bn, bk, stages in ((128, 256, 128, 3), (256, 128, 128, 3), (128, 128, 128, 4),
                                (128, 256, 64, 4)):
         out.append(GemmConfig(bm, bn, bk, num_warps=8, num_stages=stages, prequantize=x_float))
+    # Transformer-encoder shapes (K, N of 384..3072 at M of a few thousand tokens): the large
+    # tiles above leave SMs idle (MiniLM's 4096x384x384 is 48 tiles of 256x128 on 132 SMs) and
+    # their K loop is 3 iterations deep; measured on the H200, qfuse's GEMMs in MiniLM 32x128
+    # took 480 us against cuBLAS bf16's 275 with only those. Smaller tiles fill the GPU.
+    if N * K <= 4096 * 4096:
+        for bm, bn, bk, warps, stages in ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4),
+                                          (128, 64, 128, 4, 4), (64, 64, 128, 4, 4)):
+            out.append(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
+                                  prequantize=x_float))
+    if x_float and N <= 4096:
+        # The prologue re-quantizes x once per column block: N / BLOCK_N times, few when N is
+        # small, against a whole extra pass (and launch) over x for the separate quantize.
+        out += [dataclasses.replace(c, prequantize=False) for c in list(out)]
     return out
 
 
