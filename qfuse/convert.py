@@ -170,7 +170,10 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     if chain.kind == "linear":
         module = QLinear.from_float(weight, bias, dtype=dtype, **common)
     else:
-        module = QConv2d.from_float(weight, bias, **chain.conv, dtype=dtype, **common)
+        module = QConv2d.from_float(
+            weight, bias, **chain.conv, dtype=dtype, post_activation=chain.post_activation,
+            **common,
+        )
     if prologue is not None:
         module.x_inv_scale = prologue.to(module.weight.device)
     return module

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from torch import fx
 
 from qfuse.errors import QFuseError
-from qfuse.nn import QLinear
 from qfuse.ops.backend import resolve_backend
 from qfuse.state import get_state
 
@@ -54,13 +53,18 @@ class Summary:
 
 
 def _kernel(module) -> str:
+    """The kernel that runs ``module`` on its device now; every fused module has a Triton kernel
+    and may name it (``triton_kernel``), QLinear's is the GEMM."""
     device = module.weight.device
-    has_triton = isinstance(module, QLinear)
     try:
-        backend = resolve_backend(device, has_triton_kernel=has_triton)
+        backend = resolve_backend(device)
     except QFuseError as exc:
         return f"error: {exc}"
-    name = "triton qgemm" if backend.value == "triton" else "torch reference"
+    triton_name = getattr(module, "triton_kernel", "triton qgemm")
+    name = triton_name if backend.value == "triton" else "torch reference"
+    plain = getattr(module, "_launch_cache", {}).get("plain")
+    if plain and backend.value == "triton":  # the eager fast path fell back (kernels.launcher)
+        return f"{name} ({device.type}; {plain})"
     return f"{name} ({device.type})"
 
 

@@ -1,9 +1,14 @@
-"""Fusible chains: ``Linear|Conv2d (+bias) -> [activation] -> [+ residual]`` in an aten graph.
+"""Fusible chains: ``Linear|Conv2d (+bias) -> [activation] -> [+ residual] -> [activation]``.
 
 The matcher walks forward from each anchor (``aten.linear`` / ``aten.conv2d`` with a parameter
 weight) through ops that are identities in eval mode (dropout), at most one activation and at most
 one residual add, absorbing a node only when it is the sole user of the chain so far — so no
-intermediate value that another op still needs is ever fused away.
+intermediate value that another op still needs is ever fused away. Conv chains also take one
+activation after the residual add (a ResNet block's ``conv -> bn -> + identity -> relu``).
+
+A residual add whose both inputs end chains (a projection shortcut: main branch and downsample
+conv) goes to the chain whose output is computed last in graph order; the other operand is then
+ready when the fused call runs, and no node is ever claimed by two chains.
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ aten = torch.ops.aten
 
 ANCHORS = {aten.linear.default: "linear", aten.conv2d.default: "conv2d"}
 KIND_NAMES = {"linear": "Linear", "conv2d": "Conv2d"}
-ACTIVATION_NAMES = {"relu": "ReLU", "gelu": "GELU", "gelu_tanh": "GELU(tanh)", "silu": "SiLU"}
+ACTIVATION_NAMES = {
+    "relu": "ReLU",
+    "gelu": "GELU",
+    "gelu_tanh": "GELU(tanh)",
+    "silu": "SiLU",
+    "relu6": "ReLU6",
+    "hardswish": "Hardswish",
+}
+# Activations only the conv kernel implements so far; a Linear chain stops before them.
+CONV_ONLY_ACTIVATIONS = ("relu6", "hardswish")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -32,6 +46,14 @@ def activation_of(node: fx.Node) -> str | None:
     if node.target in (aten.gelu.default, aten.gelu_.default):
         approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
         return "gelu_tanh" if approximate == "tanh" else "gelu"
+    if node.target in (aten.hardswish.default, aten.hardswish_.default):
+        return "hardswish"
+    if node.target in (aten.hardtanh.default, aten.hardtanh_.default):  # nn.ReLU6
+        args = node.args
+        lo = args[1] if len(args) > 1 else node.kwargs.get("min_val", -1.0)
+        hi = args[2] if len(args) > 2 else node.kwargs.get("max_val", 1.0)
+        if float(lo) == 0.0 and float(hi) == 6.0:
+            return "relu6"
     return None
 
 
@@ -77,6 +99,7 @@ class Chain:
     residual: str | None = None
     nodes: list[str] = field(default_factory=list)  # anchor first, chain output last
     conv: dict | None = None  # stride, padding, dilation, groups
+    post_activation: str = "none"  # after the residual add (conv chains only)
 
     @property
     def output(self) -> str:
@@ -89,6 +112,8 @@ class Chain:
             parts.append(ACTIVATION_NAMES[self.activation])
         if self.residual is not None:
             parts.append("residual")
+        if self.post_activation != "none":
+            parts.append(ACTIVATION_NAMES[self.post_activation])
         return "→".join(parts)
 
 
@@ -145,9 +170,38 @@ def _why_not(node: fx.Node, kind: str) -> str | None:
     return None
 
 
+def _fusible_activation(node: fx.Node, kind: str) -> str | None:
+    act = activation_of(node)
+    if act in CONV_ONLY_ACTIVATIONS and kind != "conv2d":
+        return None
+    return act
+
+
+def _walk(chain: Chain, cur: fx.Node, *, post: bool) -> fx.Node:
+    """Extend ``chain`` from ``cur`` through eval identities and at most one activation (the
+    post-residual one when ``post``); returns the chain's last node."""
+    while len(cur.users) == 1:
+        user = next(iter(cur.users))
+        if is_eval_identity(user):
+            pass
+        elif (act := _fusible_activation(user, chain.kind)) and (
+            chain.post_activation == "none" if post else chain.activation == "none"
+        ):
+            if post:
+                chain.post_activation = act
+            else:
+                chain.activation = act
+        else:
+            break
+        chain.nodes.append(user.name)
+        cur = user
+    return cur
+
+
 def find_chains(gm: fx.GraphModule) -> tuple[list[Chain], list[Skipped]]:
     """All fusible chains of ``gm`` in graph order, and the anchors left float with a reason."""
-    chains, skipped = [], []
+    chains, skipped, ends = [], [], []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         kind = ANCHORS.get(node.target) if node.op == "call_function" else None
         if kind is None:
@@ -169,22 +223,22 @@ def find_chains(gm: fx.GraphModule) -> tuple[list[Chain], list[Skipped]]:
             nodes=[node.name],
             conv=_conv_args(node) if kind == "conv2d" else None,
         )
-        cur = node
-        while len(cur.users) == 1:
-            user = next(iter(cur.users))
-            if is_eval_identity(user):
-                pass
-            elif (
-                (act := activation_of(user))
-                and chain.activation == "none"
-                and chain.residual is None
-            ):
-                chain.activation = act
-            elif chain.residual is None and (other := residual_operand(user, cur)) is not None:
-                chain.residual = other.name
-            else:
-                break
-            chain.nodes.append(user.name)
-            cur = user
         chains.append(chain)
+        ends.append(_walk(chain, node, post=False))
+    # Residual adds: each goes to the candidate chain whose output is computed last.
+    claims: dict[fx.Node, tuple[int, Chain, fx.Node]] = {}
+    for chain, end in zip(chains, ends, strict=True):
+        if len(end.users) != 1:
+            continue
+        add = next(iter(end.users))
+        other = residual_operand(add, end)
+        if other is None:
+            continue
+        if add not in claims or order[end] > claims[add][0]:
+            claims[add] = (order[end], chain, other)
+    for add, (_, chain, other) in claims.items():
+        chain.residual = other.name
+        chain.nodes.append(add.name)
+        if chain.kind == "conv2d":
+            _walk(chain, add, post=True)
     return chains, skipped

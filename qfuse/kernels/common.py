@@ -23,7 +23,9 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # Activation codes passed to kernels as the ACT constexpr. "gelu" is the erf form
 # (torch.nn.GELU()), "gelu_tanh" the tanh form (torch.nn.GELU(approximate="tanh")).
-ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+ACTIVATION_CODES = {
+    "none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu6": 5, "hardswish": 6,
+}
 
 
 @triton.jit
@@ -164,6 +166,12 @@ def silu(x):
 
 
 @triton.jit
+def hardswish(x):
+    """x * clamp(x + 3, 0, 6) / 6, the division correctly rounded (torch's CPU one is too)."""
+    return tl.math.div_rn(x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0), 6.0 + x * 0.0)
+
+
+@triton.jit
 def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
     """The activation coded ``ACT``. ``FAST`` swaps the IEEE-exact GELU/SiLU polynomials (~40
     float ops an element, run after the MMAs) for the hardware ``erf``/``exp`` forms: outputs then
@@ -186,6 +194,10 @@ def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
             x = x * tl.sigmoid(x)
         else:
             x = silu(x)
+    elif ACT == 5:
+        x = tl.minimum(tl.maximum(x, 0.0), 6.0)
+    elif ACT == 6:
+        x = hardswish(x)
     return x
 
 

@@ -5,12 +5,26 @@ from __future__ import annotations
 import torch
 
 from qfuse.errors import UnsupportedError
+from qfuse.kernels.conv import pack_weight
 from qfuse.nn.base import QuantizedModule
+from qfuse.ops.qconv2d import qconv2d_call
 from qfuse.primitives import quantize_weight, quantize_weight_fp8
 
 
 class QConv2d(QuantizedModule):
-    """int8 or fp8 Conv2d through ``qfuse::qconv2d`` (reference kernel on every device for now)."""
+    """int8 or fp8 Conv2d through ``qfuse::qconv2d``: the Triton implicit-GEMM kernel on CUDA,
+    the PyTorch reference on CPU. Weights are kept packed for the kernel (channels-last memory,
+    same shape) and outputs are channels-last.
+
+    Example:
+        >>> import torch
+        >>> conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+        >>> q = QConv2d.from_float(conv.weight, conv.bias, stride=[1, 1], padding=[1, 1],
+        ...                        dilation=[1, 1], groups=1, x_scale=torch.tensor(0.02),
+        ...                        x_zero_point=None, activation="relu")
+        >>> q(torch.randn(2, 4, 6, 6)).shape
+        torch.Size([2, 8, 6, 6])
+    """
 
     BUFFER_NAMES = (
         "weight",
@@ -24,13 +38,20 @@ class QConv2d(QuantizedModule):
         "out_inv_scale",
         "out_zero_point",
     )
-    LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + ("stride", "padding", "dilation", "groups")
+    LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + (
+        "stride",
+        "padding",
+        "dilation",
+        "groups",
+        "post_activation",
+    )
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, groups: int = 1) -> None:
         super().__init__()
         kh, kw = kernel_size
         self.stride, self.padding, self.dilation, self.groups = [1, 1], [0, 0], [1, 1], groups
         self.activation = "none"
+        self.post_activation = "none"
         self.out_dtype = torch.float32
         self._input_quantized = False
         shape = (out_channels, in_channels // groups, kh, kw)
@@ -55,6 +76,7 @@ class QConv2d(QuantizedModule):
         x_zero_point: torch.Tensor | None,
         per_channel: bool = True,
         activation: str = "none",
+        post_activation: str = "none",
         input_quantized: bool = False,
         out_scale: torch.Tensor | None = None,
         out_zero_point: torch.Tensor | None = None,
@@ -69,19 +91,36 @@ class QConv2d(QuantizedModule):
             raise UnsupportedError(f"QConv2d dtype {dtype}: use torch.int8 or float8_e4m3fn.")
         quantize = quantize_weight_fp8 if dtype == torch.float8_e4m3fn else quantize_weight
         q, w_scale = quantize(weight, per_channel, weight_scale)
-        mod.weight, mod.weight_scale = q, w_scale
+        mod.weight, mod.weight_scale = pack_weight(q), w_scale
         mod._set_qparams("x", x_scale, x_zero_point)
         mod.scale = (mod.x_scale * w_scale).to(torch.float32)
         mod.bias = bias.detach().float().clone() if bias is not None else None
         mod.activation = activation
+        mod.post_activation = post_activation
         mod._input_quantized = input_quantized
         mod.out_dtype = out_dtype
         if out_dtype in (torch.int8, torch.float8_e4m3fn):
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
 
+    @property
+    def triton_kernel(self) -> str:
+        """Which Triton kernel runs this layer on CUDA (``qfuse.summary``'s kernel column)."""
+        out_c, in_per_group = self.weight.shape[:2]
+        if in_per_group == 1 and self.groups == out_c:
+            return "triton depthwise conv"
+        return "triton implicit-GEMM conv"
+
+    @classmethod
+    def from_layout(cls, layout: dict, tensors: dict[str, torch.Tensor]) -> QConv2d:
+        # Files written before post-activation fusion have no such field: nothing after the add.
+        return super().from_layout({"post_activation": "none", **layout}, tensors)
+
+    def _post_load(self) -> None:
+        self.weight = pack_weight(self.weight)  # files store plain contiguous tensors
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.qfuse.qconv2d(
+        return qconv2d_call(
             x,
             self.weight,
             self.scale,
@@ -97,10 +136,11 @@ class QConv2d(QuantizedModule):
             self.padding,
             self.dilation,
             self.groups,
+            self.post_activation,
         )
 
     def extra_repr(self) -> str:
         return (
             f"weight={tuple(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "
-            f"act={self.activation}, output={self.out_dtype}"
+            f"act={self.activation}, post_act={self.post_activation}, output={self.out_dtype}"
         )

@@ -1,19 +1,60 @@
-"""``qfuse::qconv2d``: the fused quantized Conv2d as a torch custom op (reference on every device).
+"""``qfuse::qconv2d``: the fused quantized Conv2d as a torch ``triton_op``.
 
-A Triton implicit-GEMM kernel is a later issue; until then CUDA runs the same PyTorch reference
-(float64 convolution of integer values, exact) and ``qfuse.summary`` says so.
+On CUDA tensors the body launches the Triton implicit-GEMM kernel (``qfuse.kernels.conv``)
+through ``torch.library.wrap_triton``, so ``torch.compile`` sees the kernel itself and can put it
+in its graph; on CPU tensors (or with ``QFUSE_BACKEND=reference``) the body is the PyTorch
+reference. ``register_fake`` gives export and tracing the output's shape, dtype and
+channels-last layout without running anything.
 """
 
 from __future__ import annotations
 
 import torch
 
+from qfuse.errors import ShapeError, UnsupportedError
 from qfuse.ops import reference
-from qfuse.ops.backend import resolve_backend
+from qfuse.ops.backend import Backend, resolve_backend
+
+FP8 = torch.float8_e4m3fn
+QUANTIZED_DTYPES = (torch.int8, FP8)
 
 
-@torch.library.custom_op("qfuse::qconv2d", mutates_args=())
-def qconv2d(
+def _check(x, weight, x_inv_scale, x_zero_point, out_inv_scale, out_dtype, groups) -> None:
+    if x.dim() != 4 or x.shape[1] != weight.shape[1] * groups:
+        raise ShapeError(
+            f"qfuse::qconv2d: input of shape {tuple(x.shape)} for a layer built for "
+            f"{weight.shape[1] * groups} input channels (N, C, H, W); feed it what the float "
+            "model took."
+        )
+    if weight.dtype not in QUANTIZED_DTYPES:
+        raise UnsupportedError(
+            f"qfuse::qconv2d: weight dtype {weight.dtype}; build the layer with "
+            "QConv2d.from_float (int8 or float8_e4m3fn weights)."
+        )
+    if x.dtype in QUANTIZED_DTYPES and x.dtype != weight.dtype:
+        raise UnsupportedError(
+            f"qfuse::qconv2d: {x.dtype} input to a {weight.dtype} layer; a quantized input must "
+            "have the weight's dtype (convert the whole chain with one QConfig)."
+        )
+    if x.dtype not in QUANTIZED_DTYPES and x_inv_scale is None:
+        raise UnsupportedError(
+            "qfuse::qconv2d: a float input needs x_inv_scale (convolutions use static "
+            "per-tensor activation scales)."
+        )
+    if x_inv_scale is not None and x_inv_scale.numel() != 1:
+        raise UnsupportedError(
+            "qfuse::qconv2d: per-input-channel activation scales (SmoothQuant's prologue) are "
+            "not supported for convolutions; use a per-tensor scale."
+        )
+    if weight.dtype == FP8 and x_zero_point is not None:
+        raise UnsupportedError("qfuse::qconv2d: fp8 is symmetric; pass no x_zero_point.")
+    if out_dtype in QUANTIZED_DTYPES and out_inv_scale is None:
+        raise UnsupportedError(
+            f"qfuse::qconv2d: {out_dtype} output needs out_inv_scale (a static output scale)."
+        )
+
+
+def _impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
@@ -29,48 +70,57 @@ def qconv2d(
     padding: list[int],
     dilation: list[int],
     groups: int,
+    post_activation: str = "none",
 ) -> torch.Tensor:
-    """Fused ``[quantize] -> int8 conv2d -> scale -> bias -> act -> [+ residual] -> [requant]``."""
-    resolve_backend(x.device, has_triton_kernel=False)
-    return reference.qconv2d(
-        x,
-        weight,
-        scale,
-        bias,
-        x_inv_scale,
-        x_zero_point,
-        residual,
-        out_inv_scale,
-        out_zero_point,
-        activation,
-        out_dtype,
-        stride,
-        padding,
-        dilation,
-        groups,
-    )
+    """Fused ``[quantize] -> int8/fp8 conv2d -> scale -> bias -> act -> [+ residual] ->
+    post-act -> [requant]``; output channels-last."""
+    _check(x, weight, x_inv_scale, x_zero_point, out_inv_scale, out_dtype, groups)
+    args = (x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale,
+            out_zero_point, activation, out_dtype, stride, padding, dilation, groups,
+            post_activation)
+    if x.device.type != "cpu" and resolve_backend(x.device) is Backend.TRITON:
+        from qfuse.kernels.conv import qconv2d as kernel
+
+        # Traced (compile, export): wrap_triton puts the kernel itself into the graph. Plain
+        # eager: a direct launch; the wrapper's dispatch cost ~0.3 ms of host time per call.
+        return kernel(*args, launcher=None if _eager(x) else torch.library.wrap_triton)
+    if x.device.type == "cpu" and resolve_backend(x.device) is Backend.TRITON:
+        from qfuse.kernels.conv import qconv2d as kernel  # interpreter (tests, debugging)
+
+        return kernel(*args)
+    out = reference.qconv2d(*args)
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+qconv2d = torch.library.triton_op("qfuse::qconv2d", _impl, mutates_args=())
 
 
 @qconv2d.register_fake
-def _(
-    x,
-    weight,
-    scale,
-    bias,
-    x_inv_scale,
-    x_zero_point,
-    residual,
-    out_inv_scale,
-    out_zero_point,
-    activation,
-    out_dtype,
-    stride,
-    padding,
-    dilation,
-    groups,
-):
+def _(x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale,
+      out_zero_point, activation, out_dtype, stride, padding, dilation, groups,
+      post_activation="none"):
     n, _, h, w = x.shape
     kh, kw = weight.shape[2], weight.shape[3]
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    return x.new_empty((n, weight.shape[0], oh, ow), dtype=out_dtype)
+    return x.new_empty((n, weight.shape[0], oh, ow), dtype=out_dtype).contiguous(
+        memory_format=torch.channels_last
+    )
+
+
+def _eager(x: torch.Tensor) -> bool:
+    """True when no tracer, compiler or tensor subclass needs to see the op."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def qconv2d_call(*args) -> torch.Tensor:
+    """What ``QConv2d`` calls: the ``qfuse::qconv2d`` op where it is traced, compiled, exported
+    or differentiated, its Python body directly in plain eager inference (the dispatcher's
+    per-call host cost is as large as a small conv kernel)."""
+    fn = _impl if _eager(args[0]) else torch.ops.qfuse.qconv2d
+    return fn(*args)

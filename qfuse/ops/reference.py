@@ -93,12 +93,20 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + exp_f32(-x))
 
 
+def hardswish(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.common.hardswish``: x * clamp(x + 3, 0, 6) / 6 (a true division)."""
+    y = x * torch.clamp(x + 3.0, 0.0, 6.0)
+    return y / torch.full_like(y, 6.0)
+
+
 ACTIVATIONS = {
     "none": lambda x: x,
     "relu": lambda x: torch.clamp_min(x, 0.0),
     "gelu": gelu_erf,
     "gelu_tanh": gelu_tanh,
     "silu": silu,
+    "relu6": lambda x: torch.clamp(x, 0.0, 6.0),
+    "hardswish": hardswish,
 }
 
 
@@ -135,11 +143,14 @@ def epilogue(
     out_dtype: torch.dtype,
     channel_dim: int = -1,
     row_scale: torch.Tensor | None = None,
+    post_act: str = "none",
 ) -> torch.Tensor:
-    """Accumulator -> scales, bias, activation, residual, then int8/fp8 requant or float.
+    """Accumulator -> scales, bias, activation, residual, post-activation, then int8/fp8 requant
+    or float.
 
     ``row_scale`` [M] (dynamic per-token activation scales, 2-D ``acc`` only) multiplies after the
-    per-channel scale, as the kernel does.
+    per-channel scale, as the kernel does. ``post_act`` is applied after the residual add (a
+    ResNet block's ``+ identity -> relu``).
     """
     shape = [1] * acc.dim()
     shape[channel_dim] = -1
@@ -151,6 +162,7 @@ def epilogue(
     y = ACTIVATIONS[act](y)
     if residual is not None:
         y = y + residual.to(torch.float32)
+    y = ACTIVATIONS[post_act](y)
     if out_dtype == torch.int8:
         zp = out_zero_point.to(torch.float32) if out_zero_point is not None else 0.0
         return quantize_int8(y, out_inv_scale, zp)
@@ -224,6 +236,7 @@ def qconv2d(
     padding: list[int],
     dilation: list[int],
     groups: int,
+    post_act: str = "none",
 ) -> torch.Tensor:
     """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue; fp8 weights give the
     fp8 conv (float64 sums of exact e4m3 products, rounded once to float32, as ``fp8_matmul``).
@@ -244,6 +257,7 @@ def qconv2d(
             out_zero_point,
             out_dtype,
             channel_dim=1,
+            post_act=post_act,
         )
     reduction = weight.shape[1] * weight.shape[2] * weight.shape[3]
     dtype = _exact_float_dtype(reduction, 256, 128)  # q - zp spans up to 255
@@ -252,5 +266,6 @@ def qconv2d(
         q = q - x_zero_point.to(dtype)
     acc = F.conv2d(q, weight.to(dtype), None, stride, padding, dilation, groups).to(torch.int32)
     return epilogue(
-        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=1
+        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=1,
+        post_act=post_act,
     )

@@ -1,0 +1,452 @@
+"""Fused quantized Conv2d, int8 or fp8 e4m3: implicit GEMM on channels-last activations.
+
+    out[m, n] = sum_k x_q[pixel(m) + tap(k), channel(k)] * W_q[n, k]    m = (batch, oh, ow)
+    y = (acc - zp_x * colsum(W)) * scale[n] + bias[n]                    k = (kh, kw, c)
+    out = requant?( post_act( (+ residual)( act(y) ) ) )
+
+No im2col buffer: each K step loads an A tile straight from the NHWC input (a (kh, kw) tap and a
+block of channels; zero padding by masks), quantized in the prologue when the input is float or
+read as int8/fp8 when the previous fused conv handed it over. A padded tap of an int8 input with a
+zero point reads the zero point, so ``acc - zp * colsum(W)`` gives the reference's
+``conv(q - zp)`` exactly. Weights come packed channels-last (``[O, KH, KW, I]`` in memory, see
+``pack_weight``): the B tile of one tap is a contiguous run of input channels, and the whole of
+K is contiguous for the small-channel stem path (``FLAT_K``), where one K block spans several taps.
+
+Depthwise convolutions (one input channel per group) are a direct kernel: a tile of pixels by a
+block of channels, one multiply-accumulate per tap. The epilogue repeats
+``ops.reference.epilogue`` operation by operation (IEEE-exact ops only, ``enable_fp_fusion=False``),
+so int8 outputs are bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from qfuse.kernels.common import (
+    ACTIVATION_CODES,
+    activation,
+    mul_rn,
+    quantize_fp8,
+    quantize_int8,
+    round_to_float_grid,
+    tile_indices,
+)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FP8 = torch.float8_e4m3fn
+OUT_FLOAT, OUT_INT8, OUT_FP8 = 0, 1, 2
+_FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+@triton.jit
+def _epilogue(
+    acc, offs_m, offs_n, mask_m, mask_n,
+    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    stride_rm, stride_om,
+    HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Reference order: zero-point correction, scale, bias, act, residual, post-act, requant.
+    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last)."""
+    if HAS_X_ZP:
+        wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
+        acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
+    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    # mul_rn: no FMA with the bias add, even where torch.compile launches this kernel
+    y = mul_rn(acc.to(tl.float32), scale[None, :])
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    y = activation(y, ACT)
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m.to(tl.int64)
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + rows[:, None] * stride_rm + offs_n[None, :]
+        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = activation(y, POST_ACT)
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    if OUT_Q == 1:
+        out_zp = 0.0
+        if HAS_OUT_ZP:
+            out_zp = tl.load(out_zp_ptr).to(tl.float32)
+        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
+    elif OUT_Q == 2:
+        tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
+    else:
+        if OUT_MANT > 0:
+            y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
+            FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr,
+            EXACT: tl.constexpr):
+    """One A tile as int8/fp8; masked (padding) entries are the quantized zero."""
+    if X_QUANTIZED:
+        a = tl.load(ptrs, mask=mask, other=0.0)
+        if HAS_X_ZP:
+            a = tl.where(mask, a, x_zp_q)
+    else:
+        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            a = quantize_fp8(a, x_inv_scale, EXACT)
+        else:
+            a = quantize_int8(a, x_inv_scale, x_zp)
+    return a
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qconv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    M, H, W, OH, OW, CG_IN, CG_OUT,
+    sxn, sxh, sxw, sxc, swo, swh, sww, swc, stride_rm, stride_om,
+    SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    FLAT_K: tl.constexpr,
+    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    pid_m, pid_n = tile_indices(pid, M, CG_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < CG_OUT
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    batch = (offs_m // OW) // OH
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    x_rows = x_ptr + batch.to(tl.int64) * sxn + group * CG_IN * sxc
+    n_glob = group * CG_OUT + offs_n
+    w_cols = w_ptr + n_glob[None, :] * swo
+
+    x_inv_scale = 1.0
+    x_zp = 0.0
+    x_zp_q = 0
+    if not X_QUANTIZED:
+        x_inv_scale = tl.load(x_inv_scale_ptr)
+    if HAS_X_ZP:
+        x_zp_q = tl.load(x_zp_ptr).to(tl.int8)
+        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+
+    if FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if FLAT_K:
+        # K = (kh, kw, c) flattened: one K block spans several taps (few input channels).
+        K = KH * KW * CG_IN
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            c = k % CG_IN
+            tap = k // CG_IN
+            kh = tap // KW
+            kw = tap % KW
+            ih = ih0[:, None] + (kh * DH)[None, :]
+            iw = iw0[:, None] + (kw * DW)[None, :]
+            mask_k = k < K
+            amask = (mask_m[:, None] & mask_k[None, :] & (ih >= 0) & (ih < H) & (iw >= 0)
+                     & (iw < W))
+            a_ptrs = x_rows[:, None] + ih * sxh + iw * sxw + (c * sxc)[None, :]
+            a = _load_a(a_ptrs, amask, x_inv_scale, x_zp, x_zp_q, FP8, X_QUANTIZED, HAS_X_ZP,
+                        EXACT)
+            b_off = kh * swh + kw * sww + c * swc
+            b = tl.load(w_cols + b_off[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+    else:
+        # One (kh, kw) tap and a block of channels per step.
+        c_tiles = tl.cdiv(CG_IN, BLOCK_K)
+        for t in range(0, KH * KW * c_tiles):
+            c0 = (t % c_tiles) * BLOCK_K
+            tap = t // c_tiles
+            kh = tap // KW
+            kw = tap % KW
+            ih = ih0 + kh * DH
+            iw = iw0 + kw * DW
+            valid = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            c = c0 + offs_k
+            mask_k = c < CG_IN
+            a_ptrs = (x_rows + ih * sxh + iw * sxw)[:, None] + (c * sxc)[None, :]
+            a = _load_a(a_ptrs, valid[:, None] & mask_k[None, :], x_inv_scale, x_zp, x_zp_q,
+                        FP8, X_QUANTIZED, HAS_X_ZP, EXACT)
+            b_ptrs = w_cols + (kh * swh + kw * sww) + (c * swc)[:, None]
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+
+    _epilogue(
+        acc, offs_m, n_glob, mask_m, mask_n,
+        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+        stride_rm, stride_om,
+        HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, POST_ACT, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN,
+        EXACT,
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dwconv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, res_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    M, H, W, OH, OW, C,
+    sxn, sxh, sxw, sxc, swo, swh, sww, stride_rm, stride_om,
+    SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Depthwise (groups == C, one output channel per input channel): direct MACs per tap."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_m = offs_m < M
+    mask_c = offs_c < C
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    batch = (offs_m // OW) // OH
+    x_rows = x_ptr + batch.to(tl.int64) * sxn
+    x_inv_scale = 1.0
+    x_zp = 0.0
+    if not X_QUANTIZED:
+        x_inv_scale = tl.load(x_inv_scale_ptr)
+    if HAS_X_ZP:
+        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    # float32 for int8 too: every product and partial sum is an integer below 2**24 (at most
+    # 49 taps x 255 x 127), so the sum is exact, and float FMA-free math beats int32 multiplies
+    # (measured 2.4x on the H200 for a 5x5 depthwise conv).
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for tap in tl.static_range(KH * KW):
+        ih = oh * SH - PH + (tap // KW) * DH
+        iw = ow * SW - PW + (tap % KW) * DW
+        valid = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        mask = valid[:, None] & mask_c[None, :]
+        ptrs = (x_rows + ih * sxh + iw * sxw)[:, None] + (offs_c * sxc)[None, :]
+        w_ptrs = w_ptr + offs_c * swo + (tap // KW) * swh + (tap % KW) * sww
+        w = tl.load(w_ptrs, mask=mask_c, other=0.0)
+        if X_QUANTIZED:
+            a = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            if FP8:
+                a = quantize_fp8(a, x_inv_scale, EXACT)
+            else:
+                a = quantize_int8(a, x_inv_scale, x_zp)
+        av = a.to(tl.float32)
+        if HAS_X_ZP:  # padding contributes (zp - zp) * w = 0: the reference's conv(q - zp)
+            av = tl.where(mask, av - x_zp, 0.0)
+        acc += av * w.to(tl.float32)[None, :]
+    if not FP8:
+        acc = acc.to(tl.int32)
+    _epilogue(
+        acc, offs_m, offs_c, mask_m, mask_c,
+        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+        stride_rm, stride_om,
+        False, HAS_BIAS, ACT, HAS_RESIDUAL, POST_ACT, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN,
+        EXACT,
+    )
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """A schedule: tile sizes, warps and pipeline depth (``block_k`` unused by depthwise)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+SMS = 132  # H100/H200 SXM
+
+
+def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> ConvConfig:
+    """Tile shape from the problem shape (no autotuning on the call path). On the H200 one
+    schedule, 128x64x64 with 4 warps and 4 stages, was fastest or within 5% on ResNet-50's 1x1,
+    3x3 and stride-2 layers for int8 and fp8 (bench/tune_conv.py); when it would leave SMs idle
+    (few pixels: late layers at small batch) smaller tiles give more programs."""
+    if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
+        return ConvConfig(32, 32, 32, 4, 1)
+    block_n = 64 if cg_out > 32 else 32 if cg_out > 16 else 16
+    block_k = 64 if k_total >= 64 else 32
+    block_m = 128
+    if -(-M // block_m) * -(-cg_out // block_n) < SMS:
+        block_m, block_n = 64, min(block_n, 32)
+    if cg_in < block_k:  # stem: K spans taps, each A element is a gather
+        block_m = 64
+    return ConvConfig(block_m, block_n, block_k, 4, 4)
+
+
+def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
+    """Depthwise tiles: ``block_n`` is the channel block (16-byte int8 runs per pixel at 16+).
+    On the H200 a 64-pixel tile with 25 unrolled taps ran 15x slower for int8 (5x5, N=32: 175
+    against 12 us for fp8; 32-pixel tiles ran it in 7 us at N=8), so 5x5 and 7x7 use 32."""
+    if INTERPRETED:
+        return ConvConfig(32, 32, 0, 4, 1)
+    block_c = 64 if channels >= 64 else 32 if channels >= 32 else 16
+    block_m = 64 if M >= 4096 and taps <= 9 else 32
+    return ConvConfig(block_m, block_c, 0, 4, 1)
+
+
+@triton.jit
+def _prequantize_kernel(x_ptr, inv_scale_ptr, zp_ptr, q_ptr, numel, FP8: tl.constexpr,
+                        HAS_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Elementwise static quantization of a dense tensor (same functions as the prologue)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.load(inv_scale_ptr)
+    if FP8:
+        q = quantize_fp8(x, inv, EXACT)
+    else:
+        zp = 0.0
+        if HAS_ZP:
+            zp = tl.load(zp_ptr).to(tl.float32)
+        q = quantize_int8(x, inv, zp)
+    tl.store(q_ptr + offs, q, mask=mask)
+
+
+def prequantize(x, qdtype, inv_scale, zero_point, launch):
+    """Quantize ``x`` once in its own pass: a kxk conv (or a depthwise one) would otherwise
+    quantize each input element k*k times in its prologue; int8/fp8 values are identical."""
+    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
+        x = x.contiguous(memory_format=torch.channels_last)
+    q = torch.empty_like(x, dtype=qdtype)  # same strides: elementwise over the storage
+    block = 1024
+    launch(_prequantize_kernel)[(triton.cdiv(x.numel(), block),)](
+        x, inv_scale, zero_point if zero_point is not None else inv_scale, q, x.numel(),
+        FP8=qdtype == FP8, HAS_ZP=zero_point is not None, EXACT=INTERPRETED, BLOCK=block,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return q
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's weight layout: ``[O, I/g, KH, KW]`` stored channels-last (``[O, KH, KW, I]``
+    in memory), so the channels of one tap — and for the stem the whole of K — are contiguous.
+    Same shape and values; ``F.conv2d`` (the reference) reads it as is."""
+    return weight.contiguous(memory_format=torch.channels_last)
+
+
+def output_size(h, w, kernel, stride, padding, dilation) -> tuple[int, int]:
+    oh = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    return oh, ow
+
+
+def qconv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_inv_scale: torch.Tensor | None,
+    x_zero_point: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out_inv_scale: torch.Tensor | None,
+    out_zero_point: torch.Tensor | None,
+    act: str,
+    out_dtype: torch.dtype,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+    post_act: str = "none",
+    config: ConvConfig | None = None,
+    launcher=None,
+    prequantize_input: bool | None = None,
+) -> torch.Tensor:
+    """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
+    layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
+    [N, O, OH, OW] tensor of ``out_dtype``. Argument meanings as ``ops.reference.qconv2d``.
+    ``launcher`` wraps each kernel before its launch (``torch.library.wrap_triton`` in the op).
+    A float input is quantized in the GEMM's prologue (1x1 convs) or, where each element feeds
+    several taps, once in a separate pass (``prequantize_input`` overrides: same numbers).
+
+    Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
+        >>> import torch
+        >>> from qfuse.kernels.conv import qconv2d
+        >>> from qfuse.ops.reference import qconv2d as ref
+        >>> x = torch.randn(1, 8, 5, 5)
+        >>> w = torch.randint(-127, 128, (16, 8, 3, 3), dtype=torch.int8)
+        >>> args = (x, w, torch.full((16,), 1e-3), None, torch.tensor(40.0), None, None,
+        ...         torch.tensor(20.0), None, "relu", torch.int8, [1, 1], [1, 1], [1, 1], 1)
+        >>> bool(torch.equal(qconv2d(*args), ref(*args)))
+        True
+    """
+    launch = launcher or (lambda k: k)
+    n, c_in, h, w = x.shape
+    c_out, cg_in, kh, kw = weight.shape
+    oh, ow = output_size(h, w, (kh, kw), stride, padding, dilation)
+    out = torch.empty((n, c_out, oh, ow), device=x.device, dtype=out_dtype,
+                      memory_format=torch.channels_last)
+    M = n * oh * ow
+    if M == 0 or c_out == 0:
+        return out
+    fp8 = weight.dtype == FP8
+    x_quantized = x.dtype in (torch.int8, FP8)
+    depthwise = groups == c_in and groups == c_out and cg_in == 1
+    if prequantize_input is None:
+        prequantize_input = kh * kw > 1 or depthwise
+    if not x_quantized and x.numel() and prequantize_input:
+        x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launch)
+        x_quantized = True
+    out_q = {torch.int8: OUT_INT8, FP8: OUT_FP8}.get(out_dtype, OUT_FLOAT)
+    grid_bits = _FLOAT_GRIDS.get(out_dtype, (0, 0)) if INTERPRETED else (0, 0)
+    if residual is not None:  # read as [M, C] rows, like the output (row stride C)
+        residual = residual.contiguous(memory_format=torch.channels_last)
+    res = residual if residual is not None else out
+    dummy = scale
+    flags = dict(
+        SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
+        KH=kh, KW=kw, FP8=fp8, X_QUANTIZED=x_quantized, HAS_X_ZP=x_zero_point is not None,
+        HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=residual is not None,
+        POST_ACT=ACTIVATION_CODES[post_act], OUT_Q=out_q,
+        HAS_OUT_ZP=out_zero_point is not None, OUT_MANT=grid_bits[0], OUT_EMIN=grid_bits[1],
+        EXACT=INTERPRETED,
+    )
+    opt = lambda t: t if t is not None else dummy  # noqa: E731 - absent optional tensors
+    sx = x.stride()
+    sw = weight.stride()
+    if depthwise:
+        cfg = config or pick_depthwise_config(M, c_out, kh * kw)
+        block_m, block_c = cfg.block_m, cfg.block_n
+        grid = (triton.cdiv(M, block_m), triton.cdiv(c_out, block_c))
+        launch(_dwconv_kernel)[grid](
+            x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
+            opt(out_inv_scale), opt(out_zero_point), out,
+            M, h, w, oh, ow, c_out,
+            sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], c_out, c_out,
+            **flags, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            enable_fp_fusion=False,
+        )
+        return out
+    cg_out = c_out // groups
+    wsum = dummy
+    if x_zero_point is not None:
+        wsum = weight.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
+    cfg = config or pick_config(M, cg_in, cg_out, kh * kw * cg_in, fp8)
+    flat_k = cg_in < cfg.block_k
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cg_out, cfg.block_n), groups)
+    launch(_qconv_kernel)[grid](
+        x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
+        opt(out_inv_scale), opt(out_zero_point), out,
+        M, h, w, oh, ow, cg_in, cg_out,
+        sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], sw[1], c_out, c_out,
+        **flags, FLAT_K=flat_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,189 @@
+"""``qfuse.kernels.conv`` against ``qfuse.ops.reference.qconv2d``: every conv variant, fuzzed.
+
+On CPU the kernels run in the Triton interpreter (tiny shapes: it is slow); with CUDA for real.
+- int8: int8 outputs identical, float outputs identical (same IEEE-exact epilogue order).
+- fp8: the reference sums exactly (float64), the kernel in float32 / tensor-core order: float
+  outputs agree to float32 accumulation rounding, fp8 outputs to one e4m3 step at most.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qfuse.kernels import conv
+from qfuse.ops import reference
+
+FP8 = torch.float8_e4m3fn
+
+
+def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, padding=1,
+              dilation=1, groups=1, qdtype=torch.int8, x_quantized=False, zp=False,
+              act="none", post_act="none", residual=False, out_dtype=torch.int8, bias=True,
+              channels_last=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (c_out, c_in // groups, k, k)
+    if qdtype == FP8:
+        w = (torch.randn(shape, generator=g) * 64).clamp(-448, 448).to(FP8)
+    else:
+        w = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    w = conv.pack_weight(w)
+    x = torch.randn(n, c_in, *hw, generator=g) * 2.0
+    x_inv = torch.tensor(40.0)
+    x_zp = torch.tensor(7, dtype=torch.int32) if zp else None
+    if x_quantized:
+        x = reference._quantize_input(x, x_inv, x_zp, qdtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    oh, ow = conv.output_size(*hw, (k, k), [stride] * 2, [padding] * 2, [dilation] * 2)
+    reduction = (c_in // groups) * k * k
+    # Scales that put the float result around 1, where every activation bends.
+    scale = (torch.rand(c_out, generator=g) + 0.5) * (2.0 / (40.0 * 64 * reduction**0.5))
+    out_q = out_dtype in (torch.int8, FP8)
+    args = dict(
+        x=x,
+        weight=w,
+        scale=scale,
+        bias=torch.randn(c_out, generator=g) if bias else None,
+        x_inv_scale=x_inv,
+        x_zero_point=x_zp,
+        residual=torch.randn(n, c_out, oh, ow, generator=g).to(torch.bfloat16) if residual
+        else None,
+        out_inv_scale=torch.tensor(25.0 if out_dtype == torch.int8 else 100.0) if out_q else None,
+        out_zero_point=torch.tensor(-3, dtype=torch.int32) if out_dtype == torch.int8 and zp
+        else None,
+        act=act,
+        out_dtype=out_dtype,
+        stride=[stride] * 2,
+        padding=[padding] * 2,
+        dilation=[dilation] * 2,
+        groups=groups,
+        post_act=post_act,
+    )
+    return {k_: v.to(device) if isinstance(v, torch.Tensor) else v for k_, v in args.items()}
+
+
+def check(args, **kw) -> None:
+    out = conv.qconv2d(**args, **kw)
+    on_gpu = out.is_cuda
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    ref = reference.qconv2d(**cpu)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    out = out.cpu()
+    if args["weight"].dtype == torch.int8:
+        assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
+        return
+    # fp8: float32 accumulation in the interpreter; on Hopper fp8 wgmma accumulates at the tensor
+    # core's reduced precision (see tests/kernels/test_qgemm.py), so the GPU bounds are looser.
+    a, b = out.double(), ref.double()
+    if out.dtype == FP8:  # one e4m3 step where the exact value sits on a rounding boundary
+        step = torch.maximum(a.abs(), b.abs()) / 8 + 2.0**-9
+        assert ((a - b).abs() <= step * (2 if on_gpu else 1)).all()
+        assert (a != b).float().mean() < (0.05 if on_gpu else 0.02)
+    else:  # then one rounding to the output dtype
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < (1e-3 if on_gpu else 1e-5) + (2.0**-8 if out.dtype != torch.float32 else 0)
+
+
+VARIANTS = {
+    "1x1": dict(k=1, padding=0),
+    "3x3": dict(),
+    "3x3-s2": dict(stride=2),
+    "5x5": dict(k=5, padding=2, c_in=4),
+    "7x7-s2-stem": dict(k=7, stride=2, padding=3, c_in=3, hw=(9, 8)),
+    "dilated": dict(dilation=2, padding=2),
+    "grouped": dict(groups=2, c_out=8),
+    "depthwise": dict(groups=8, c_out=8),
+    "depthwise-5x5-s2": dict(groups=8, c_out=8, k=5, padding=2, stride=2),
+    "zero-point": dict(zp=True),
+    "zero-point-depthwise": dict(zp=True, groups=8, c_out=8),
+    "quantized-in": dict(x_quantized=True),
+    "quantized-in-zp-padding": dict(x_quantized=True, zp=True),
+    "residual-post-relu": dict(residual=True, post_act="relu", out_dtype=torch.float32),
+    "nchw-input": dict(channels_last=False),
+    "bf16-out": dict(out_dtype=torch.bfloat16, act="silu"),
+    "no-bias": dict(bias=False, act="relu6"),
+    "k-over-block": dict(c_in=40, k=1, padding=0, act="gelu"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_variant_matches_reference(device, name, qdtype):
+    spec = dict(VARIANTS[name])
+    if qdtype == FP8:
+        if spec.get("zp"):
+            pytest.skip("fp8 is symmetric: no zero point")
+        if spec.get("out_dtype", torch.int8) == torch.int8:
+            spec["out_dtype"] = FP8
+    check(make_case(device, qdtype=qdtype, **spec))
+
+
+@pytest.mark.parametrize("name", ["3x3-s2", "depthwise", "zero-point", "7x7-s2-stem"])
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("prequantize", [True, False], ids=["separate-pass", "prologue"])
+def test_input_quantization_paths_agree(device, name, qdtype, prequantize):
+    spec = dict(VARIANTS[name])
+    if qdtype == FP8 and spec.pop("zp", False):
+        pytest.skip("fp8 is symmetric: no zero point")
+    check(make_case(device, qdtype=qdtype, out_dtype=torch.float32, **spec),
+          prequantize_input=prequantize)
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "hardswish", "gelu", "gelu_tanh", "silu"])
+def test_activations_bit_exact(device, act):
+    check(make_case(device, act=act, k=1, padding=0, out_dtype=torch.float32))
+    check(make_case(device, post_act=act, residual=True, groups=8, c_out=8))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 2),
+    c_in=st.sampled_from([1, 3, 8, 17]),
+    c_out=st.integers(1, 20),
+    h=st.integers(1, 7),
+    w=st.integers(1, 7),
+    k=st.sampled_from([1, 3, 5]),
+    stride=st.integers(1, 2),
+    dilation=st.integers(1, 2),
+    depthwise=st.booleans(),
+    qdtype=st.sampled_from([torch.int8, FP8]),
+    seed=st.integers(0, 1000),
+)
+def test_shape_fuzz(n, c_in, c_out, h, w, k, stride, dilation, depthwise, qdtype, seed):
+    padding = (k // 2) * dilation
+    groups = c_in if depthwise else 1
+    c_out = c_in if depthwise else c_out
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = FP8 if qdtype == FP8 else torch.int8
+    check(make_case(device, n=n, c_in=c_in, c_out=c_out, hw=(h, w), k=k, stride=stride,
+                    padding=padding, dilation=dilation, groups=groups, qdtype=qdtype,
+                    out_dtype=out, act="relu", seed=seed))
+
+
+def test_empty_batch(device):
+    args = make_case(device, n=0)
+    assert conv.qconv2d(**args).shape == (0, 16, 6, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(n=8, c_in=64, c_out=64, hw=(56, 56)),
+        dict(n=4, c_in=256, c_out=64, hw=(28, 28), k=1, padding=0),
+        dict(n=4, c_in=128, c_out=128, hw=(28, 28), stride=2),
+        dict(n=2, c_in=3, c_out=64, hw=(64, 64), k=7, stride=2, padding=3),
+        dict(n=4, c_in=96, c_out=96, hw=(28, 28), groups=96, k=5, padding=2),
+        dict(n=1, c_in=512, c_out=512, hw=(7, 7)),
+    ],
+)
+def test_gpu_real_shapes(shape, qdtype):
+    out = FP8 if qdtype == FP8 else torch.int8
+    check(make_case("cuda", qdtype=qdtype, out_dtype=out, act="relu", **shape))
+    check(make_case("cuda", qdtype=qdtype, out_dtype=torch.float32, residual=True,
+                    post_act="relu", x_quantized=True, **shape))
