@@ -157,6 +157,8 @@ def _left_to_forward(chain: Chain, model_name: str) -> str:
         parts.append(ACTIVATION_NAMES[chain.activation])
     if chain.residual is not None:
         parts.append("residual add")
+    if chain.post_activation != "none":
+        parts.append(f"{ACTIVATION_NAMES[chain.post_activation]} after it")
     if not parts:
         return ""
     return (
@@ -233,7 +235,8 @@ def convert_model(
     nodes = {n.name: n for n in prepared.graph.nodes}
     layers = []
     for chain in swapped:
-        bare = dataclasses.replace(chain, activation="none", residual=None, nodes=[chain.anchor])
+        bare = dataclasses.replace(chain, activation="none", residual=None, post_activation="none",
+                                   nodes=[chain.anchor])
         float_dtype = nodes[chain.anchor].meta["val"].dtype
         module = _build(bare, state.config, plan, None, False, float_dtype)
         if slots[chain.name] == "merged":

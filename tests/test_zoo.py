@@ -19,12 +19,9 @@ DEFAULT_MIN_LAYER_SQNR_DB = 20.0  # int8 per-tensor activations: a layer alone i
 # token (causal attention returns v_0 unaveraged), so one per-tensor scale is coarse for the
 # other tokens (per-token int8 dynamic: 1.3%, test below); wav2vec2 at 3.1% — its three
 # front-end convs add ~1–2% each.
-MAX_REL_STATIC = {"llama": 0.04, "mistral": 0.04, "wav2vec2": 0.035}
-RESNET_XFAIL = pytest.mark.xfail(
-    raises=RuntimeError,
-    reason="the graph's projection-shortcut residual is fused into the conv that runs first "
-    "(fusion/rewrite.py; being fixed in the conv issue); output='model' converts",
-)
+# ResNet (random weights, BatchNorm re-estimated) at 6.8% end to end through its residual
+# blocks while every layer keeps its SQNR floor (measured when the graph path first converted it).
+MAX_REL_STATIC = {"llama": 0.04, "mistral": 0.04, "wav2vec2": 0.035, "resnet": 0.08}
 
 
 def _judge(row: dict, max_rel: float) -> None:
@@ -42,7 +39,7 @@ def _judge(row: dict, max_rel: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=RESNET_XFAIL) if n == "resnet" else n for n in ZOO]
+    "name", ZOO
 )
 def test_zoo_int8_static(name, tmp_path):
     row = run(name, qfuse.QConfig.int8_static(), calib_batches=8, save_dir=str(tmp_path))

@@ -106,7 +106,7 @@ class QConv2d(QuantizedModule):
     @property
     def triton_kernel(self) -> str:
         """Which Triton kernel runs this layer on CUDA (``qfuse.summary``'s kernel column)."""
-        out_c, in_per_group = self.weight.shape[:2]
+        out_c, in_per_group = self._buffers["weight"].shape[:2]  # the quantized tensor (swap.py)
         if in_per_group == 1 and self.groups == out_c:
             return "triton depthwise conv"
         return "triton implicit-GEMM conv"
