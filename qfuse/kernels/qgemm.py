@@ -325,7 +325,8 @@ def launch(
 def _schedule(M, N, K, x, qdtype, x_float, act, device, run, config):
     kind = f"{'fp8' if qdtype == torch.float8_e4m3fn else 'int8'}-{'xf' if x_float else 'xq'}"
     heavy = act not in _LIGHT_ACTS
-    return config or pick_config(M, N, K, kind, device, INTERPRETED, run, heavy)
+    return config or pick_config(M, N, K, kind, device, INTERPRETED, run, heavy,
+                                 x.element_size())
 
 
 def qlinear(

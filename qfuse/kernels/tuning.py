@@ -198,6 +198,14 @@ def for_epilogue(cfg: GemmConfig, heavy: bool) -> GemmConfig:
     return cfg
 
 
+def fits(cfg: GemmConfig, kind: str, x_bytes: int = 2) -> bool:
+    """Whether the pipelined tiles fit in shared memory with room to spare (200 of the 227 KB a
+    Hopper block may have): a float x quantized in the prologue is staged at its own width."""
+    a_bytes = x_bytes if kind.endswith("xf") and not cfg.prequantize else 1
+    stage = cfg.block_m * cfg.block_k * a_bytes + cfg.block_k * cfg.block_n
+    return cfg.num_stages * stage <= 200 * 1024
+
+
 def pick_config(
     M: int,
     N: int,
@@ -207,6 +215,7 @@ def pick_config(
     interpreted: bool,
     run: Callable[[GemmConfig], object] | None = None,
     heavy_epilogue: bool = False,
+    x_bytes: int = 2,
 ) -> GemmConfig:
     """The schedule for this call; see the module docstring for the lookup order.
 
@@ -226,7 +235,11 @@ def pick_config(
         cfg = GemmConfig(**stored)
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        cands = candidates(M, N, K, kind, sms)
+        # Time what will run: capped for a heavy epilogue, and only schedules that fit (a
+        # candidate that fails to launch is skipped by autotune, but an untuned pick must run).
+        cands = list(dict.fromkeys(for_epilogue(c, heavy_epilogue)
+                                   for c in candidates(M, N, K, kind, sms)))
+        cands = [c for c in cands if fits(c, kind, x_bytes)] or cands
         tune = (
             run is not None
             and os.environ.get("QFUSE_AUTOTUNE", "1") != "0"
