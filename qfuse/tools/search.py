@@ -17,6 +17,7 @@ Every evaluation is a step of ``SearchResult.path``; the winner is the fastest t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -192,9 +193,15 @@ class _Search:
         if timed and c not in self.latency:
             self.latency[c] = self.time_fn(self.models[c])
         m = self.metrics[c]
-        self.path.append(
-            Step(stage, c.label(), m, self.drop(m), self.latency.get(c), self.meets(c), note)
-        )
+        step = Step(stage, c.label(), m, self.drop(m), self.latency.get(c), self.meets(c), note)
+        self.path.append(step)
+        if not self.quiet:
+            ms = "" if step.latency_ms is None else f", {step.latency_ms:.3g} ms"
+            print(
+                f"search [{stage}] {step.candidate}: {m:.6g} (drop {step.drop:.3g}{ms})",
+                file=sys.stderr,
+                flush=True,
+            )
         return m
 
     def better(self, a: Candidate, b: Candidate) -> bool:
@@ -305,7 +312,8 @@ def search(
             continue
         best = _climb(s, plain[d], space, d)
         if s.meets(best):
-            s.evaluate("meets budget", best, timed=True)
+            if best != plain[d]:
+                s.evaluate("meets budget", best, timed=True)
             winners.append(best)
             continue
         if not space.auto_fallback:

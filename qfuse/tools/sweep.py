@@ -21,13 +21,14 @@ from qfuse.config import QConfig
 from qfuse.convert import convert
 from qfuse.errors import QFuseError
 from qfuse.export import save
+from qfuse.sensitivity import call
 from qfuse.state import get_state
 from qfuse.summary import summary
 from qfuse.tools.calibrate import Calibrations, progress
 from qfuse.tools.recipes import SweepSpec
 from qfuse.tools.report import write_report
 from qfuse.tools.search import SearchSpace, search
-from qfuse.tools.timing import MODES, error_text, latency
+from qfuse.tools.timing import MODES, error_text, latency, median_ms
 
 PRESETS: dict[str, Callable[[], QConfig]] = {
     "int8_static": QConfig.int8_static,
@@ -116,11 +117,10 @@ class Sweep:
             return convert(self.cache.get(PRESETS[name]())).to(self.device), None, name
         if name == "best":
 
-            def time_fn(qmodel):
-                times, _, _ = latency(
-                    qmodel.to(self.device), self.example(), self.device, ("eager",), self.repeats
-                )
-                return times["eager"]
+            def time_fn(qmodel):  # eager, as the sweep times it (launches are not needed here)
+                qmodel, batch = qmodel.to(self.device), self.example()
+                warmup = max(1, self.repeats // 3)
+                return median_ms(lambda: call(qmodel, batch), self.device, warmup, self.repeats)
 
             validate = lambda m: spec.validate(OnDevice(self.on_device(m), self.device))  # noqa: E731
             r = search(
