@@ -13,10 +13,11 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 sweep() {  # seconds, recipe, extra args
   local limit=$1 recipe=$2; shift 2
   local t0=$SECONDS
-  timeout -s INT "$limit" python3 -m qfuse.sweep --recipe "$recipe" --quiet \
+  timeout -s INT -k 20 "$limit" python3 -m qfuse.sweep --recipe "$recipe" --quiet \
     --out "$OUT/reports/${recipe}_h200" "$@" > "$OUT/reports/${recipe}_h200.log" 2>&1
   echo "== $recipe: exit $? in $((SECONDS - t0)) s"
-  grep -E "^\| |^report:|Error" "$OUT/reports/${recipe}_h200.log" | grep -v "^| stage" | head -24
+  sed -n '/^| config/,/^$/p' "$OUT/reports/${recipe}_h200/report.md"
+  grep -E "^search \[|Error" "$OUT/reports/${recipe}_h200.log" | tail -4
 }
 sweep "${DIGITS_S:-100}" digits
 sweep "${MLP_S:-80}" mlp --max-drop 1.0
