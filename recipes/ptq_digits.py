@@ -10,8 +10,6 @@ present (the Triton kernels).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from torch import nn
 
 import qfuse
 from calibration.digits import batches, load_digits_splits
+from qfuse.tools.timing import median_ms
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 
@@ -88,20 +87,9 @@ def accuracy(model, x, y, device, batch_size: int = 256) -> float:
 
 @torch.no_grad()
 def latency_ms(model, x, device, repeats: int = 20) -> float:
-    """Median wall time of one forward over batch ``x`` (synchronised on CUDA)."""
+    """Median ms of one forward over batch ``x`` (``qfuse.tools.timing``: do_bench on CUDA)."""
     x = x.to(device)
-    for _ in range(3):
-        model(x)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return median_ms(lambda: model(x), device, warmup=3, repeats=repeats)
 
 
 def run(epochs: int = 40, seed: int = 0, use_cache: bool = True, device: str | None = None) -> dict:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -23,6 +21,7 @@ import torch  # noqa: E402
 
 import qfuse  # noqa: E402
 from calibration.sentences import calibration_sentences, heldout_sentences  # noqa: E402
+from qfuse.tools.timing import median_ms  # noqa: E402
 
 DYNAMIC = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
 
@@ -126,18 +125,8 @@ def cosines(model, reference: torch.Tensor, batches) -> torch.Tensor:
 
 @torch.no_grad()
 def latency_ms(model, batch, device, repeats=10) -> float:
-    for _ in range(2):
-        model(**batch)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(**batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """Median ms of one forward (``qfuse.tools.timing``: do_bench on CUDA, perf_counter on CPU)."""
+    return median_ms(lambda: model(**batch), device, warmup=2, repeats=repeats)
 
 
 def calibrated(bert, tokenizer, config, calib, **prepare_kwargs):
