@@ -57,6 +57,8 @@ def environment() -> dict:
         "platform": platform.platform(),
         "commit": os.environ.get("QFUSE_COMMIT") or (commit if len(commit) == 40 else "unknown"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # CPU timings on a shared machine mean little without it
+        "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -113,8 +115,8 @@ def render_markdown(results: dict) -> str:
         results.get("description", ""),
         "",
         f"Device: {env['device']} ({env['backend']}); torch {env['torch']}, triton "
-        f"{env['triton']}, qfuse {env['qfuse']}, commit `{env['commit'][:12]}`, {env['date']}. "
-        f"Status: **{results['status']}**.",
+        f"{env['triton']}, qfuse {env['qfuse']}, commit `{env['commit'][:12]}`, {env['date']}, "
+        f"load average {env.get('load_avg_1min')}. Status: **{results['status']}**.",
         "",
         f"Metric: {results['metric']} ({direction}); Δ vs fp32 is signed so that negative is "
         f"worse. Latency: median of one forward of the example batch after warm-up, per mode; "
