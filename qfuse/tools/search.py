@@ -31,7 +31,7 @@ from qfuse.gptq import GPTQ
 from qfuse.sensitivity import call
 from qfuse.smoothquant import SmoothQuant
 from qfuse.tools.calibrate import Calibrations, key_of, progress
-from qfuse.tools.timing import median_ms
+from qfuse.tools.timing import error_text, median_ms
 
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -175,6 +175,7 @@ class _Search:
         self.latency: dict[Candidate, float] = {}
         self.models: dict[Candidate, torch.nn.Module] = {}
         self.baseline = 0.0
+        self.failed: dict[Candidate, str] = {}
 
     def drop(self, metric: float) -> float:
         return self.sign * (self.baseline - metric)
@@ -185,13 +186,28 @@ class _Search:
     def prepared(self, c: Candidate):
         return self.cache.get(c.config, c.smoothquant, c.gptq)
 
-    def evaluate(self, stage: str, c: Candidate, timed: bool = False, note: str = "") -> float:
-        if c not in self.metrics:
-            qmodel = convert(self.prepared(c), **c.convert_kwargs())
-            self.metrics[c] = float(self.eval_fn(qmodel))
-            self.models[c] = qmodel
-        if timed and c not in self.latency:
-            self.latency[c] = self.time_fn(self.models[c])
+    def evaluate(
+        self, stage: str, c: Candidate, timed: bool = False, note: str = ""
+    ) -> float | None:
+        """The candidate's metric (and latency when ``timed``), or None when it failed: a
+        candidate that raises is a step with its error, not the end of the search."""
+        if c in self.failed:
+            return None
+        try:
+            if c not in self.metrics:
+                qmodel = convert(self.prepared(c), **c.convert_kwargs())
+                self.metrics[c] = float(self.eval_fn(qmodel))
+                self.models[c] = qmodel
+            if timed and c not in self.latency:
+                self.latency[c] = self.time_fn(self.models[c])
+        except Exception as exc:  # noqa: BLE001 — recorded in the path, search goes on
+            self.failed[c] = error_text(exc)
+            self.metrics.pop(c, None)
+            self.models.pop(c, None)
+            self.path.append(Step(stage, c.label(), None, None, None, False, self.failed[c]))
+            if not self.quiet:
+                print(f"search [{stage}] {c.label()}: {self.failed[c]}", file=sys.stderr)
+            return None
         m = self.metrics[c]
         step = Step(stage, c.label(), m, self.drop(m), self.latency.get(c), self.meets(c), note)
         self.path.append(step)
@@ -205,7 +221,9 @@ class _Search:
         return m
 
     def better(self, a: Candidate, b: Candidate) -> bool:
-        return self.sign * (self.metrics[a] - self.metrics[b]) > 0
+        if a not in self.metrics:
+            return False
+        return b not in self.metrics or self.sign * (self.metrics[a] - self.metrics[b]) > 0
 
     def note(self, stage: str, text: str) -> None:
         self.path.append(Step(stage, "", None, None, None, False, text))
@@ -298,7 +316,11 @@ def search(
     plain = {d: Candidate(QConfig(dtype=DTYPES[d])) for d in space.dtypes}
     for c in plain.values():
         s.evaluate("plain (speed probe)", c, timed=True)
-    order = sorted(space.dtypes, key=lambda d: s.latency[plain[d]])
+    for d in [d for d in space.dtypes if plain[d] not in s.latency]:
+        s.note(d, f"plain {d} failed: {d} left out of the search")
+    order = sorted(
+        (d for d in space.dtypes if plain[d] in s.latency), key=lambda d: s.latency[plain[d]]
+    )
     winners: list[Candidate] = []
     fallback: dict[Candidate, FallbackResult] = {}
     for d in order:
@@ -314,19 +336,24 @@ def search(
         if s.meets(best):
             if best != plain[d]:
                 s.evaluate("meets budget", best, timed=True)
-            winners.append(best)
-            continue
+            if best in s.latency:
+                winners.append(best)
+                continue
         if not space.auto_fallback:
             s.note(d, f"best {d} misses the budget and auto_fallback is off")
             continue
-        qmodel, fb = auto_fallback(
-            s.prepared(best), eval_fn, max_drop, higher_is_better=higher_is_better
-        )
+        try:
+            qmodel, fb = auto_fallback(
+                s.prepared(best), eval_fn, max_drop, higher_is_better=higher_is_better
+            )
+        except Exception as exc:  # noqa: BLE001 — a failed fallback leaves the other dtypes
+            s.note("auto_fallback", f"{best.label()}: {error_text(exc)}")
+            continue
         c = replace(best, keep_float=tuple(sorted(fb.kept_float)))
         s.metrics[c], s.models[c] = float(fb.metric), qmodel
         fallback[c] = fb
         s.evaluate("auto_fallback", c, timed=True, note=f"{fb.evaluations} evaluations inside")
-        if s.meets(c):
+        if s.meets(c) and c in s.latency:
             winners.append(c)
         cache.keep_only({key_of(w.config, w.smoothquant, w.gptq) for w in winners})
     if not winners:

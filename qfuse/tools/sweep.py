@@ -12,6 +12,7 @@ import copy
 import os
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -159,6 +160,7 @@ class Sweep:
             row["fused"], row["kept_float"] = _layers(model)
         except Exception as exc:  # noqa: BLE001 — one failing config is a row, not a crash
             row["error"] = error_text(exc)
+            row["traceback"] = traceback.format_exc(limit=-8)[-4000:]
         row["seconds"] = round(time.perf_counter() - start, 2)
         return row
 

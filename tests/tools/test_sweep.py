@@ -13,6 +13,7 @@ import torch
 
 import qfuse
 from qfuse.cli import main
+from qfuse.state import get_state
 from qfuse.tools import RecipeError, SweepSpec, load_spec, register_recipe, run_sweep
 from qfuse.tools.report import table_cells
 
@@ -224,3 +225,22 @@ def _calibrated(model, config, kwargs, calib):
     for x in calib:
         prepared(x)
     return prepared
+
+
+def test_a_failing_search_candidate_is_a_step_not_the_end():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU()).eval()
+    calib = [torch.randn(16, 16)]
+    ref = model(calib[0]).detach()
+
+    def score(m):
+        state = get_state(m)
+        if state is not None and state.config.dtype == torch.float8_e4m3fn:
+            raise RuntimeError("out of resource: shared memory (as a kernel may run out)")
+        return -(m(calib[0]) - ref).pow(2).mean().item()
+
+    r = qfuse.search(model, calib, score, max_drop=1.0, quiet=True)
+    assert r.config.dtype == torch.int8
+    failed = [s for s in r.path if "out of resource" in s.note]
+    assert failed and failed[0].candidate.startswith("fp8") and failed[0].metric is None
+    assert any("fp8 left out of the search" in s.note for s in r.path)
