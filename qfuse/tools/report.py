@@ -141,6 +141,10 @@ def render_markdown(results: dict) -> str:
         out += [f"Launches per forward ({what}): " + "; ".join(launches) + ".", ""]
     if "search" in results:
         out += _search_section(results["search"])
+    for r in results["rows"]:
+        if r.get("search_path"):
+            out += ["## best: the search path (no candidate met the budget)", ""]
+            out += _path_table(r["search_path"])
     if os.path.exists(results.get("_pareto", "")):
         out += ["![accuracy vs latency](pareto.png)", ""]
     if results.get("_sensitivity"):
@@ -165,8 +169,12 @@ def _search_section(s: dict) -> list[str]:
     ]
     if c["keep_float"]:
         out += [f"Kept float: {', '.join(c['keep_float'])}.", ""]
+    return out + _path_table(s["path"])
+
+
+def _path_table(path: list[dict]) -> list[str]:
     rows = []
-    for st in s["path"]:
+    for st in path:
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
         rows.append(
             [
@@ -176,12 +184,11 @@ def _search_section(s: dict) -> list[str]:
                 fmt(st["drop"], ".5f"),
                 fmt(st["latency_ms"], ".3f"),
                 "yes" if st["meets"] else "",
-                st["note"],
+                st["note"].replace("|", "/"),
             ]
         )
     header = ["stage", "candidate", "val. metric", "drop", "eager ms", "meets", "note"]
-    out += [markdown_table(header, rows), ""]
-    return out
+    return [markdown_table(header, rows), ""]
 
 
 def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = True) -> list[int]:

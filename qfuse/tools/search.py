@@ -36,6 +36,14 @@ from qfuse.tools.timing import error_text, median_ms
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
+class SearchError(QFuseError):
+    """No candidate met the budget; ``path`` holds every step the search took."""
+
+    def __init__(self, message: str, path: list) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """What ``search`` may try. ``symmetric=(True, False)`` applies to int8 (fp8 is symmetric)."""
@@ -357,10 +365,15 @@ def search(
             winners.append(c)
         cache.keep_only({key_of(w.config, w.smoothquant, w.gptq) for w in winners})
     if not winners:
-        raise QFuseError(
-            f"qfuse.search: no configuration meets max_drop={max_drop} "
-            f"(best drops: {sorted(s.drop(m) for m in s.metrics.values())[:3]}); raise max_drop "
-            "or enable auto_fallback in the SearchSpace."
+        failed = ""
+        if s.failed:
+            failed = f"; {len(s.failed)} candidates raised, first: {next(iter(s.failed.values()))}"
+        raise SearchError(
+            f"qfuse.search: no configuration meets max_drop={max_drop} (smallest drops: "
+            f"{[round(x, 6) for x in sorted(s.drop(m) for m in s.metrics.values())[:3]]}"
+            f"{failed}); raise max_drop or enable auto_fallback in the "
+            "SearchSpace.",
+            s.path,
         )
     win = min(winners, key=lambda c: (s.latency[c], s.sign * -s.metrics[c]))
     m = s.metrics[win]

@@ -14,6 +14,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 from torch.utils import _pytree as pytree
@@ -28,7 +29,7 @@ from qfuse.summary import summary
 from qfuse.tools.calibrate import Calibrations, progress
 from qfuse.tools.recipes import SweepSpec
 from qfuse.tools.report import write_report
-from qfuse.tools.search import SearchSpace, search
+from qfuse.tools.search import SearchError, SearchSpace, search
 from qfuse.tools.timing import MODES, error_text, latency, median_ms
 
 PRESETS: dict[str, Callable[[], QConfig]] = {
@@ -160,6 +161,8 @@ class Sweep:
             row["fused"], row["kept_float"] = _layers(model)
         except Exception as exc:  # noqa: BLE001 — one failing config is a row, not a crash
             row["error"] = error_text(exc)
+            if isinstance(exc, SearchError):
+                row["search_path"] = [asdict(step) for step in exc.path]
             row["traceback"] = traceback.format_exc(limit=-8)[-4000:]
         row["seconds"] = round(time.perf_counter() - start, 2)
         return row

@@ -202,7 +202,7 @@ def test_search_result_reproduces_through_prepare_and_convert():
     prepared = _calibrated(model, r.config, r.prepare_kwargs(), calib)
     again = qfuse.convert(prepared, **r.convert_kwargs())
     assert score(again) == pytest.approx(r.metric, rel=1e-6, abs=1e-9)
-    with pytest.raises(qfuse.QFuseError, match="no configuration meets"):
+    with pytest.raises(qfuse.QFuseError, match="no configuration meets") as failed:
         qfuse.search(
             model,
             calib,
@@ -217,6 +217,7 @@ def test_search_result_reproduces_through_prepare_and_convert():
                 auto_fallback=False,
             ),
         )
+    assert [step.stage for step in failed.value.path][:2] == ["float", "plain (speed probe)"]
 
 
 @torch.no_grad()
