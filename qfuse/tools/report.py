@@ -19,7 +19,16 @@ import torch
 
 from qfuse.tools.io import atomic_savefig, atomic_write_text
 
-COLUMNS = ("config", "metric", "Δ vs fp32", "latency", "speed-up", "size", "fused / float")
+COLUMNS = (
+    "config",
+    "metric",
+    "Δ vs fp32",
+    "latency",
+    "speed-up vs fp32",
+    "vs bf16",
+    "size",
+    "fused / float",
+)
 
 
 def environment() -> dict:
@@ -78,7 +87,7 @@ def table_cells(row: dict) -> list[str]:
     if row.get("label") not in (None, row["config"]):
         label += f" ({row['label']})"
     if "error" in row:
-        return [label, "error", "", row["error"].replace("|", "/"), "", "", ""]
+        return [label, "error", "", row["error"].replace("|", "/"), "", "", "", ""]
     fused = "" if row.get("fused") is None else f"{row['fused']} / {row['kept_float']}"
     return [
         label,
@@ -86,6 +95,7 @@ def table_cells(row: dict) -> list[str]:
         "" if row.get("delta") is None else f"{row['delta']:+.5f}",
         _per_mode(row.get("latency_ms"), ".3f", " ms"),
         _per_mode(row.get("speedup"), ".2f", "×"),
+        _per_mode(row.get("speedup_vs_bf16"), ".2f", "×"),
         _size(row.get("size_bytes")) or row.get("size_error", ""),
         fused,
     ]
@@ -115,12 +125,14 @@ def render_markdown(results: dict) -> str:
         results.get("description", ""),
         "",
         f"Device: {env['device']} ({env['backend']}); torch {env['torch']}, triton "
-        f"{env['triton']}, qfuse {env['qfuse']}, commit `{env['commit'][:12]}`, {env['date']}, "
-        f"load average {env.get('load_avg_1min')}. Status: **{results['status']}**.",
+        f"{env['triton']}, qfuse {env['qfuse']}, commit `{env['commit'][:12]}`, {env['date']}"
+        + (f", load average {env['load_avg_1min']}" if env.get("load_avg_1min") is not None else "")
+        + f". Status: **{results['status']}**.",
         "",
         f"Metric: {results['metric']} ({direction}); Δ vs fp32 is signed so that negative is "
         f"worse. Latency: median of one forward of the example batch after warm-up, per mode; "
-        f"speed-up is fp32's time in the same mode over this row's.",
+        f"speed-up is fp32's (or bf16's, what a user would run instead) time in the same mode "
+        f"over this row's.",
     ]
     if cpu:
         out.append(

@@ -171,16 +171,21 @@ class Sweep:
 def _derive(rows: list[dict], higher_is_better: bool) -> None:
     """Δ vs fp32 and speed-up vs fp32 per mode, for the rows that have them."""
     base = next((r for r in rows if r["config"] == "fp32" and "metric" in r), None)
+    bf16 = next((r for r in rows if r["config"] == "bf16" and "metric" in r), None)
+
+    def ratios(ref: dict, r: dict) -> dict:
+        ref_ms = ref.get("latency_ms", {})
+        return {m: ref_ms[m] / t for m, t in r.get("latency_ms", {}).items() if m in ref_ms and t}
+
+    sign = 1.0 if higher_is_better else -1.0
     for r in rows:
-        if base is None or "metric" not in r:
+        if "metric" not in r:
             continue
-        sign = 1.0 if higher_is_better else -1.0
-        r["delta"] = sign * (r["metric"] - base["metric"])
-        r["speedup"] = {
-            m: base["latency_ms"][m] / t
-            for m, t in r.get("latency_ms", {}).items()
-            if m in base.get("latency_ms", {}) and t > 0
-        }
+        if base is not None:
+            r["delta"] = sign * (r["metric"] - base["metric"])
+            r["speedup"] = ratios(base, r)
+        if bf16 is not None:
+            r["speedup_vs_bf16"] = ratios(bf16, r)
 
 
 def run_sweep(
