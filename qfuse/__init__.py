@@ -27,6 +27,7 @@ from qfuse.routing import CostModel, RoutePlan, route
 from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.smoothquant import SmoothQuant
 from qfuse.summary import Summary, summary
+from qfuse.tools.search import SearchResult, SearchSpace, search
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,8 @@ __all__ = [
     "PerToken",
     "QConfig",
     "QFuseError",
+    "SearchResult",
+    "SearchSpace",
     "SensitivityReport",
     "ShapeError",
     "SmoothQuant",
@@ -54,6 +57,7 @@ __all__ = [
     "prepare",
     "resolve_backend",
     "route",
+    "search",
     "RoutePlan",
     "sensitivity",
     "summary",

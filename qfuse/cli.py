@@ -1,0 +1,93 @@
+"""``qfuse`` on the command line: ``qfuse sweep --recipe digits --configs ... --out reports/X``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from qfuse.errors import QFuseError
+
+
+def _sweep_parser(sub) -> None:
+    from qfuse.tools.recipes import DEFAULT_RECIPE, recipe_names
+    from qfuse.tools.sweep import CONFIGS
+    from qfuse.tools.timing import MODES
+
+    p = sub.add_parser(
+        "sweep",
+        help="accuracy-vs-speed sweep of quantization configs on a recipe",
+        description="Calibrate, convert, evaluate and time each config of a recipe; write "
+        "report.md, results.json, pareto.png and report.html to --out.",
+    )
+    p.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help=f"{' | '.join(recipe_names())} | path/to/module.py (defines sweep_spec()); "
+        f"default {DEFAULT_RECIPE}",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, from {','.join(CONFIGS)} (default: all)",
+    )
+    p.add_argument("--out", default=None, help="report directory (default reports/RECIPE)")
+    p.add_argument(
+        "--max-drop",
+        type=float,
+        default=None,
+        help="largest metric drop vs fp32 that 'best' may accept, in the recipe's metric units "
+        "(default: the recipe's default_max_drop)",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help="latency modes on CUDA (CPU times eager only)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per median on CPU")
+    p.add_argument("--reduced", action="store_true", help="the recipe's small setting (CI)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``qfuse`` console script. Returns the exit status.
+
+    Example:
+        >>> main(["sweep", "--recipe", "no_such_recipe", "--quiet"])
+        2
+    """
+    parser = argparse.ArgumentParser(prog="qfuse", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _sweep_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return _sweep(args)
+    except QFuseError as exc:
+        print(f"qfuse {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _sweep(args) -> int:
+    from qfuse.tools.recipes import load_spec
+    from qfuse.tools.sweep import run_sweep
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    spec = load_spec(args.recipe, reduced=args.reduced)
+    max_drop = spec.default_max_drop if args.max_drop is None else args.max_drop
+    out = args.out or os.path.join("reports", spec.name)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    results = run_sweep(
+        spec,
+        configs,
+        out,
+        device=args.device,
+        max_drop=max_drop,
+        modes=modes,
+        repeats=args.repeats,
+        quiet=args.quiet,
+    )
+    with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+        print(f.read())
+    failed = [r["config"] for r in results["rows"] if "error" in r]
+    note = f" ({len(failed)} configs failed: {', '.join(failed)})" if failed else ""
+    print(f"report: {os.path.join(out, 'report.md')}{note}")
+    return 0

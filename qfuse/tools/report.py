@@ -1,0 +1,309 @@
+"""Sweep results -> a report directory: report.md, results.json, pareto.png, report.html.
+
+One place turns rows into tables (markdown) and machine-readable JSON with the environment the
+numbers were measured in (device, versions, commit). Every file is written atomically and the
+whole directory is rewritten after each config, so a partial sweep is a valid, smaller report.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+from qfuse.tools.io import atomic_savefig, atomic_write_text
+
+COLUMNS = (
+    "config",
+    "metric",
+    "Δ vs fp32",
+    "latency",
+    "speed-up vs fp32",
+    "vs bf16",
+    "size",
+    "fused / float",
+)
+
+
+def environment() -> dict:
+    """Device, library versions and the commit the numbers belong to (``QFUSE_COMMIT`` wins: a
+    copy of the tree without ``.git`` cannot tell).
+
+    Example:
+        >>> env = environment()
+        >>> sorted(k for k in env if k in ("device", "torch", "commit"))
+        ['commit', 'device', 'torch']
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False, cwd=here
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    from qfuse import __version__
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
+        "backend": "triton kernels (cuda)" if cuda else "torch reference (cpu)",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "qfuse": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "commit": os.environ.get("QFUSE_COMMIT") or (commit if len(commit) == 40 else "unknown"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # CPU timings on a shared machine mean little without it
+        "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _per_mode(values: dict | None, fmt: str, unit: str) -> str:
+    return ", ".join(f"{m} {format(v, fmt)}{unit}" for m, v in (values or {}).items())
+
+
+def table_cells(row: dict) -> list[str]:
+    """The report.md cells of one row (also what tests compare with results.json)."""
+    label = row["config"]
+    if row.get("label") not in (None, row["config"]):
+        label += f" ({row['label']})"
+    if "error" in row:
+        return [label, "error", "", row["error"].replace("|", "/"), "", "", "", ""]
+    fused = "" if row.get("fused") is None else f"{row['fused']} / {row['kept_float']}"
+    return [
+        label,
+        f"{row['metric']:.5f}",
+        "" if row.get("delta") is None else f"{row['delta']:+.5f}",
+        _per_mode(row.get("latency_ms"), ".3f", " ms"),
+        _per_mode(row.get("speedup"), ".2f", "×"),
+        _per_mode(row.get("speedup_vs_bf16"), ".2f", "×"),
+        _size(row.get("size_bytes")) or row.get("size_error", ""),
+        fused,
+    ]
+
+
+def markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    """A GitHub markdown table.
+
+    Example:
+        >>> print(markdown_table(["a", "b"], [["1", "2"]]))
+        | a | b |
+        |---|---|
+        | 1 | 2 |
+    """
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(results: dict) -> str:
+    env = results["environment"]
+    direction = "higher is better" if results["higher_is_better"] else "lower is better"
+    cpu = not env["device"].startswith("NVIDIA") and "cpu" in env["device"]
+    out = [
+        f"# qfuse sweep: {results['recipe']}",
+        "",
+        results.get("description", ""),
+        "",
+        f"Device: {env['device']} ({env['backend']}); torch {env['torch']}, triton "
+        f"{env['triton']}, qfuse {env['qfuse']}, commit `{env['commit'][:12]}`, {env['date']}"
+        + (f", load average {env['load_avg_1min']}" if env.get("load_avg_1min") is not None else "")
+        + f". Status: **{results['status']}**.",
+        "",
+        f"Metric: {results['metric']} ({direction}); Δ vs fp32 is signed so that negative is "
+        f"worse. Latency: median of one forward of the example batch after warm-up, per mode; "
+        f"speed-up is fp32's (or bf16's, what a user would run instead) time in the same mode "
+        f"over this row's.",
+    ]
+    if cpu:
+        out.append(
+            "On CPU the fused ops run their PyTorch reference implementation: these latencies "
+            "time the reference path (correctness), not the Triton kernels."
+        )
+    out += ["", markdown_table(COLUMNS, [table_cells(r) for r in results["rows"]]), ""]
+    errs = [(r["config"], r["mode_errors"]) for r in results["rows"] if r.get("mode_errors")]
+    for name, errors in errs:
+        out.append(f"- {name}: " + "; ".join(f"{m} not timed ({e})" for m, e in errors.items()))
+    launches = [
+        f"{r['config']}: " + ", ".join(f"{m} {n}" for m, n in r["launches"].items())
+        for r in results["rows"]
+        if r.get("launches")
+    ]
+    if launches:
+        what = "operators dispatched" if cpu else "GPU kernel launches"
+        out += [f"Launches per forward ({what}): " + "; ".join(launches) + ".", ""]
+    if "search" in results:
+        out += _search_section(results["search"])
+    for r in results["rows"]:
+        if r.get("search_path"):
+            out += ["## best: the search path (no candidate met the budget)", ""]
+            out += _path_table(r["search_path"])
+    if os.path.exists(results.get("_pareto", "")):
+        out += ["![accuracy vs latency](pareto.png)", ""]
+    if results.get("_sensitivity"):
+        out += [
+            "Per-layer sensitivity (from best's auto_fallback):",
+            "",
+            "![sensitivity](sensitivity.png)",
+            "",
+        ]
+    return "\n".join(out) + "\n"
+
+
+def _search_section(s: dict) -> list[str]:
+    c = s["candidate"]
+    out = [
+        "## best: the search path",
+        "",
+        f"Chosen: **{c['label']}** — validation metric {s['metric']:.5f} (float "
+        f"{s['baseline']:.5f}, drop {s['drop']:.5f} <= max-drop {s['max_drop']:g}), "
+        f"{s['latency_ms']:.3f} ms eager; {s['evaluations']} steps.",
+        "",
+    ]
+    if c["keep_float"]:
+        out += [f"Kept float: {', '.join(c['keep_float'])}.", ""]
+    return out + _path_table(s["path"])
+
+
+def _path_table(path: list[dict]) -> list[str]:
+    rows = []
+    for st in path:
+        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        rows.append(
+            [
+                st["stage"],
+                st["candidate"],
+                fmt(st["metric"], ".5f"),
+                fmt(st["drop"], ".5f"),
+                fmt(st["latency_ms"], ".3f"),
+                "yes" if st["meets"] else "",
+                st["note"].replace("|", "/"),
+            ]
+        )
+    header = ["stage", "candidate", "val. metric", "drop", "eager ms", "meets", "note"]
+    return [markdown_table(header, rows), ""]
+
+
+def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = True) -> list[int]:
+    """Indices of the (latency, metric) points no other point beats on both (lower latency,
+    better metric), sorted by latency.
+
+    Example:
+        >>> pareto_front([(1.0, 0.9), (2.0, 0.95), (3.0, 0.94), (0.5, 0.5)])
+        [3, 0, 1]
+    """
+    sign = 1.0 if higher_is_better else -1.0
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -sign * points[i][1]))
+    front, best = [], None
+    for i in order:
+        m = sign * points[i][1]
+        if best is None or m > best:
+            front.append(i)
+            best = m
+    return front
+
+
+def plot_pareto(results: dict, path: str) -> str | None:
+    """Metric vs eager latency of the rows that have both; the Pareto front highlighted."""
+    rows = [r for r in results["rows"] if "metric" in r and "eager" in r.get("latency_ms", {})]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mode = "graph" if all("graph" in r["latency_ms"] for r in rows) else "eager"
+    pts = [(r["latency_ms"][mode], r["metric"]) for r in rows]
+    front = pareto_front(pts, results["higher_is_better"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="#999999", zorder=2, label="config")
+    fx, fy = [pts[i][0] for i in front], [pts[i][1] for i in front]
+    ax.plot(fx, fy, "-o", color="#d62728", zorder=3, label="Pareto front")
+    for r, (x, y) in zip(rows, pts, strict=True):
+        ax.annotate(r["config"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"latency, {mode} (ms, log scale) — {results['environment']['device']}")
+    ax.set_ylabel(results["metric"])
+    ax.set_title(f"qfuse sweep: {results['recipe']}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    try:
+        return atomic_savefig(fig, path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def _html(markdown: str, out: str) -> str:
+    """A self-contained page: the report text, plots embedded as data URIs."""
+    body = []
+    for line in markdown.splitlines():
+        if line.startswith("![") and "](" in line:
+            name = line.split("](", 1)[1].rstrip(")")
+            with open(os.path.join(out, name), "rb") as f:
+                data = base64.b64encode(f.read()).decode()
+            body.append(f'<img alt="{html.escape(name)}" src="data:image/png;base64,{data}">')
+        elif line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= {"-"}:
+                continue
+            body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+        elif line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
+        elif line.strip():
+            body.append(f"<p>{html.escape(line)}</p>")
+    text = "\n".join(body).replace("</tr>\n<p>", "</tr></table>\n<p>")
+    page, in_table = [], False
+    for part in text.split("\n"):
+        if part.startswith("<tr>") and not in_table:
+            page.append("<table border=1 cellpadding=4 style='border-collapse:collapse'>")
+            in_table = True
+        elif not part.startswith("<tr>") and in_table:
+            page.append("</table>")
+            in_table = False
+        page.append(part)
+    if in_table:
+        page.append("</table>")
+    return "<!doctype html><meta charset=utf-8><title>qfuse sweep</title>\n" + "\n".join(page)
+
+
+def write_report(out: str | os.PathLike, results: dict, sensitivity=None) -> dict:
+    """Write report.md, results.json, pareto.png (and sensitivity.png, report.html) to ``out``."""
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    results.setdefault("environment", environment())
+    pareto = plot_pareto(results, os.path.join(out, "pareto.png"))
+    results["_pareto"] = pareto or ""
+    if sensitivity is not None and sensitivity.rows:
+        import matplotlib.pyplot as plt
+
+        sensitivity.plot(os.path.join(out, "sensitivity.png"))
+        plt.close("all")
+        results["_sensitivity"] = True
+    markdown = render_markdown(results)
+    public = {k: v for k, v in results.items() if not k.startswith("_")}
+    atomic_write_text(os.path.join(out, "results.json"), json.dumps(public, indent=1, default=str))
+    atomic_write_text(os.path.join(out, "report.md"), markdown)
+    atomic_write_text(os.path.join(out, "report.html"), _html(markdown, out))
+    return public

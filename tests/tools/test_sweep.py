@@ -1,0 +1,247 @@
+"""qfuse sweep end to end on small recipes: report files, isolation, interruption, user recipes,
+the CLI, and qfuse.search's result as prepare/convert arguments."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+
+import qfuse
+from qfuse.cli import main
+from qfuse.state import get_state
+from qfuse.tools import RecipeError, SweepSpec, load_spec, register_recipe, run_sweep
+from qfuse.tools.report import table_cells
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A user's recipe file: a small MLP, its metric the output error vs float (lower is better).
+# POISON: NaN in a calibration batch (static quantization cannot choose a scale from it).
+# INTERRUPT_AT: the evaluate call that raises KeyboardInterrupt (as Ctrl-C would).
+RECIPE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from qfuse.tools import SweepSpec
+
+    POISON = {poison}
+    INTERRUPT_AT = {interrupt}
+    calls = []
+
+    def sweep_spec(reduced=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+        calib = [torch.randn(32, 16) for _ in range(2)]
+        if POISON:
+            calib[1][0, 0] = float("nan")
+        held = torch.randn(64, 16)
+        ref = model(held).detach()
+
+        def evaluate(m):
+            calls.append(1)
+            if len(calls) == INTERRUPT_AT:
+                raise KeyboardInterrupt
+            return (m(held) - ref).pow(2).mean().sqrt().item()
+
+        return SweepSpec("tiny", model, calib, evaluate, held[:8], metric="rms error",
+                         higher_is_better=False, default_max_drop=0.05)
+    """
+)
+
+
+def recipe_file(tmp_path, poison=False, interrupt=0) -> str:
+    path = tmp_path / f"my_recipe_{int(poison)}_{interrupt}.py"
+    path.write_text(RECIPE.format(poison=poison, interrupt=interrupt))
+    return str(path)
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """Cells of the first table in report.md (the results table)."""
+    lines = markdown.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| config |"))
+    rows = []
+    for ln in lines[start + 2 :]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return rows
+
+
+def check_report(out: Path) -> dict:
+    results = json.loads((out / "results.json").read_text())
+    md = (out / "report.md").read_text()
+    rows = table_rows(md)
+    assert len(rows) == len(results["rows"])
+    for cells, row in zip(rows, results["rows"], strict=True):
+        assert cells == [c.strip() for c in table_cells(row)]
+        if "metric" in row:
+            assert float(cells[1]) == pytest.approx(row["metric"], abs=1e-5)
+    png = (out / "pareto.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(out / "pareto.png").shape[:2]
+    assert height > 200 and width > 300
+    assert "data:image/png;base64," in (out / "report.html").read_text()
+    for key in ("device", "torch", "commit"):
+        assert results["environment"][key]
+    return results
+
+
+def test_sweep_digits_end_to_end_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "digits"
+    argv = ["sweep", "--recipe", "digits", "--reduced", "--configs", "fp32,int8_static,best"]
+    rc = main(argv + ["--out", str(out), "--quiet", "--repeats", "2", "--device", "cpu"])
+    assert rc == 0
+    results = check_report(out)
+    assert results["status"] == "complete"
+    assert [r["config"] for r in results["rows"]] == ["fp32", "int8_static", "best"]
+    fp32, int8, best = results["rows"]
+    assert "error" not in int8 and "error" not in best
+    assert int8["fused"] == 4 and int8["kept_float"] == 0
+    assert int8["size_bytes"] < fp32["size_bytes"] / 2  # int8 weights on disk
+    assert int8["latency_ms"]["eager"] > 0 and int8["launches"]["eager"] > 0
+    assert fp32["delta"] == 0 and int8["speedup"]["eager"] > 0
+    assert best["metric"] >= fp32["metric"] - results["max_drop"] - 1.0  # held-out, 128 images
+    search = results["search"]
+    assert search["drop"] <= results["max_drop"]
+    assert search["path"] and "## best: the search path" in (out / "report.md").read_text()
+    assert "report:" in capsys.readouterr().out
+
+
+def test_failing_config_is_a_row_not_a_crash(tmp_path):
+    spec = load_spec(recipe_file(tmp_path, poison=True))
+    out = tmp_path / "poison"
+    res = run_sweep(
+        spec, ["fp32", "int8_static", "int8_dynamic"], out, device="cpu", repeats=2, quiet=True
+    )
+    rows = {r["config"]: r for r in res["rows"]}
+    assert "error" not in rows["fp32"]
+    assert "error" in rows["int8_static"] and "metric" not in rows["int8_static"]
+    assert "Error" in rows["int8_static"]["error"]
+    assert res["status"] == "complete"
+    check_report(out)
+    assert "| int8_static | error |" in (out / "report.md").read_text()
+
+
+def test_interrupted_sweep_keeps_the_rows_it_measured(tmp_path):
+    spec = load_spec(recipe_file(tmp_path, interrupt=3))
+    out = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(
+            spec,
+            ["fp32", "int8_static", "fp8_static", "int8_dynamic"],
+            out,
+            device="cpu",
+            repeats=2,
+            quiet=True,
+        )
+    results = check_report(out)
+    assert results["status"] == "interrupted"
+    assert [r["config"] for r in results["rows"]] == ["fp32", "int8_static"]
+    assert "interrupted" in (out / "report.md").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_user_recipe_file_and_recipe_errors(tmp_path):
+    spec = load_spec(recipe_file(tmp_path))
+    assert isinstance(spec, SweepSpec) and spec.name == "tiny"
+    with pytest.raises(RecipeError, match="unknown recipe 'nope'.*digits"):
+        load_spec("nope")
+    register_recipe("ghost", "recipes.ptq_ghost_not_written")
+    with pytest.raises(RecipeError, match="'ghost' is registered as module"):
+        load_spec("ghost")
+    bare = tmp_path / "bare.py"
+    bare.write_text("x = 1\n")
+    with pytest.raises(RecipeError, match="has no function sweep_spec"):
+        load_spec(str(bare))
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_spec(str(tmp_path / "missing.py"))
+    register_recipe("tiny_fn", lambda reduced=False: spec)
+    assert load_spec("tiny_fn") is spec
+
+
+def test_cli_entry_points(tmp_path, capsys):
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["qfuse"] == "qfuse.cli:main"
+    assert main(["sweep", "--recipe", "nope", "--quiet"]) == 2
+    assert "unknown recipe 'nope'" in capsys.readouterr().err
+    assert main(["sweep", "--recipe", recipe_file(tmp_path), "--configs", "fp32,int9"]) == 2
+    assert "unknown sweep configs ['int9']" in capsys.readouterr().err
+    proc = subprocess.run(
+        [sys.executable, "-m", "qfuse.sweep", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0 and "--max-drop" in proc.stdout and "--recipe" in proc.stdout
+
+
+def test_search_result_reproduces_through_prepare_and_convert():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)
+    ).eval()
+    calib = [torch.randn(32, 16) for _ in range(2)]
+    calib[0][:, 0] *= 30  # an outlier channel: plain MinMax int8 loses accuracy
+    held = torch.randn(64, 16)
+    held[:, 0] *= 30
+    ref = model(held).detach()
+    score = lambda m: -(m(held) - ref).pow(2).mean().item()  # noqa: E731
+    space = qfuse.SearchSpace(dtypes=("int8",), observers=("minmax", "percentile"))
+    plain = qfuse.convert(_calibrated(model, qfuse.QConfig.int8_static(), {}, calib))
+    budget = -score(plain) / 4  # tighter than plain int8 meets
+    r = qfuse.search(model, calib, score, max_drop=budget, space=space, quiet=True)
+    assert r.drop <= budget and len(r.path) > 3
+    assert any(s.stage == "observer x symmetric" for s in r.path)
+    prepared = _calibrated(model, r.config, r.prepare_kwargs(), calib)
+    again = qfuse.convert(prepared, **r.convert_kwargs())
+    assert score(again) == pytest.approx(r.metric, rel=1e-6, abs=1e-9)
+    with pytest.raises(qfuse.QFuseError, match="no configuration meets") as failed:
+        qfuse.search(
+            model,
+            calib,
+            score,
+            max_drop=0.0,
+            quiet=True,
+            space=qfuse.SearchSpace(
+                dtypes=("int8",),
+                observers=("minmax",),
+                smoothquant_alphas=(),
+                gptq=False,
+                auto_fallback=False,
+            ),
+        )
+    assert [step.stage for step in failed.value.path][:2] == ["float", "plain (speed probe)"]
+
+
+@torch.no_grad()
+def _calibrated(model, config, kwargs, calib):
+    prepared = qfuse.prepare(model, config, (calib[0],), **kwargs)
+    for x in calib:
+        prepared(x)
+    return prepared
+
+
+def test_a_failing_search_candidate_is_a_step_not_the_end():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU()).eval()
+    calib = [torch.randn(16, 16)]
+    ref = model(calib[0]).detach()
+
+    def score(m):
+        state = get_state(m)
+        if state is not None and state.config.dtype == torch.float8_e4m3fn:
+            raise RuntimeError("out of resource: shared memory (as a kernel may run out)")
+        return -(m(calib[0]) - ref).pow(2).mean().item()
+
+    r = qfuse.search(model, calib, score, max_drop=1.0, quiet=True)
+    assert r.config.dtype == torch.int8
+    failed = [s for s in r.path if "out of resource" in s.note]
+    assert failed and failed[0].candidate.startswith("fp8") and failed[0].metric is None
+    assert any("fp8 left out of the search" in s.note for s in r.path)
