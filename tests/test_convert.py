@@ -119,8 +119,14 @@ def test_convert_twice_and_convert_of_plain_module_are_errors():
 def test_convert_does_not_modify_prepared_model():
     prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
     prepared(torch.randn(4, 32))
+    graph = str(prepared.graph)
+    tensors = {k: v.clone() for k, v in prepared.state_dict().items()}
     qfuse.convert(prepared)
     assert get_state(prepared).stage == "prepared"
+    assert str(prepared.graph) == graph  # observers and float GEMMs still there
+    after = prepared.state_dict()
+    assert after.keys() == tensors.keys()
+    assert all(torch.equal(after[k], v) for k, v in tensors.items())  # weights and ranges
     prepared(torch.randn(4, 32))  # still calibratable
 
 

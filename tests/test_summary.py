@@ -41,4 +41,6 @@ def test_summary_labels_fp8_and_dynamic_layers_truthfully():
         prepared(x)
         up = qfuse.summary(qfuse.convert(prepared)).rows[0]
         assert (up["precision"], up["input"], up["output"]) == (precision, source, sink), preset
-        assert str(qfuse.summary(qfuse.convert(prepared)))
+        text = str(qfuse.summary(qfuse.convert(prepared))).splitlines()
+        assert text[0].split()[:3] == ["name", "pattern", "precision"]
+        assert any(line.startswith("up ") and source in line for line in text[2:])
