@@ -1,8 +1,8 @@
 """Quantization-aware training that converts to the same fused kernels as PTQ.
 
-    qat = qfuse.prepare_qat(model.train(), qfuse.QConfig.int8_static(), example_inputs=(x,))
-    ... train qat like the float model ...
-    qmodel = qfuse.convert(qat.eval())
+qat = qfuse.prepare_qat(model.train(), qfuse.QConfig.int8_static(), example_inputs=(x,))
+... train qat like the float model ...
+qmodel = qfuse.convert(qat.eval())
 """
 
 from qfuse.qat.config import QATConfig

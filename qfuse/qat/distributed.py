@@ -1,4 +1,4 @@
-"""Observer statistics across ``torch.distributed`` ranks, so every rank converts to the same scales.
+"""Observer statistics across ``torch.distributed`` ranks: every rank converts to the same scales.
 
 Each rank calibrates (or trains) on its own shard; ``sync_observers`` merges the statistics with
 all-reduces and leaves identical state on every rank:

@@ -162,7 +162,8 @@ def prepare_qat(
     qat = qat or QATConfig()
     _check(model, config, layer_configs, qat)
     float_model = copy.deepcopy(model)
-    gm = capture(copy.deepcopy(model), example_inputs, example_kwargs, dynamic_shapes, training=True)
+    work = copy.deepcopy(model)
+    gm = capture(work, example_inputs, example_kwargs, dynamic_shapes, training=True)
     chains, skipped = find_chains(gm)
     carried = carry_over(from_prepared, chains, config) if from_prepared is not None else {}
     record = QATRecord(
@@ -177,6 +178,7 @@ def prepare_qat(
                 if chain.bias is not None:
                     attr_tensor(gm, chain.bias).copy_(carry.bias)
     shared: dict[str, str] = {}  # source node -> its shared fake quant
+    fq_nodes: dict[str, fx.Node] = {}  # fake quant module -> its call
     for i, chain in enumerate(chains):
         carry = carried.get(chain.name)
         prologue = carry is not None and carry.smoothing is not None
@@ -198,15 +200,14 @@ def prepare_qat(
             gm.add_submodule(name, fq)
             source = nodes[chain.input]
             with gm.graph.inserting_after(source):
-                node = gm.graph.call_module(name, (source,))
+                fq_nodes[name] = gm.graph.call_module(name, (source,))
             record.act_fq[chain.name] = name
             if prologue:
                 record.prologue.add(chain.name)
             else:
                 shared[chain.input] = name
         anchor = nodes[chain.anchor]
-        fq_node = next(n for n in nodes[chain.input].users if n.target == record.act_fq[chain.name])
-        anchor.args = (fq_node, *anchor.args[1:])
+        anchor.args = (fq_nodes[record.act_fq[chain.name]], *anchor.args[1:])
         _insert_weight_fq(gm, chain, nodes, config, qat, record)
     _check_batch_norms(gm)
     make_mode_aware(gm)
