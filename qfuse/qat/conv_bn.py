@@ -47,10 +47,10 @@ class ConvBnFakeQuant(nn.Module):
         return F.conv2d(x, weight, bias, c["stride"], c["padding"], c["dilation"], c["groups"])
 
     def forward(self, x, weight, bias, gamma, beta, running_mean, running_var):
-        training = self.training
+        training, frozen = self.training, self.bn_frozen
         if training:
             self.step += 1
-        if not training or self.bn_frozen:
+        if not training or frozen:
             w, b = fold_conv_bn(weight, bias, gamma, beta, running_mean, running_var, self.eps)
             return self._conv(x, self.weight_fq(w), b)
         running_std = torch.sqrt(running_var + self.eps)
