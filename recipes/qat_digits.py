@@ -28,10 +28,11 @@ from calibration.digits import batches, load_digits_splits
 from recipes.ptq_digits import accuracy, load_or_train
 
 CONFIG = qfuse.QConfig(weight_granularity=qfuse.PerTensor())  # int8, per-tensor weights
+FACTOR = 100.0  # outlier channels' scale-up
 
 
 @torch.no_grad()
-def plant_outliers(model: nn.Module, calib, factor: float = 100.0, per_layer: int = 2):
+def plant_outliers(model: nn.Module, calib, factor: float = FACTOR, per_layer: int = 2):
     """A copy with ``per_layer`` channels after bn1 and bn2 scaled by ``factor`` and the next
     layer's weights for them by ``1 / factor`` (same float function). The channels picked are
     those whose removal changes the calibration loss least (outliers in a minor channel)."""
@@ -96,6 +97,10 @@ def qat_finetune(teacher, prepared, splits, epochs, lr, rank, world, device, pro
     per_epoch = len(x) // 64
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * per_epoch)
     gen = torch.Generator().manual_seed(1)
+    val_x = calib_x.to(device)
+    with torch.no_grad():
+        val_target = teacher(val_x).log_softmax(-1)
+    best = (float("inf"), None)
     bar = tqdm(total=epochs * per_epoch, desc=f"QAT ({world} proc)", disable=not progress)
     for _ in range(epochs):
         model.train()
@@ -115,7 +120,19 @@ def qat_finetune(teacher, prepared, splits, epochs, lr, rank, world, device, pro
             sched.step()
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        # Keep the epoch whose fake-quant model is closest to the teacher on the calibration
+        # split (never the test split); every rank sees the same split and picks the same one.
+        with torch.no_grad():
+            val = nn.functional.kl_div(
+                qat.eval()(val_x).log_softmax(-1),
+                val_target,
+                log_target=True,
+                reduction="batchmean",
+            ).item()
+        if val < best[0]:
+            best = (val, copy.deepcopy(qat.state_dict()))
     bar.close()
+    qat.load_state_dict(best[1])
     return qat.eval()
 
 
@@ -128,6 +145,7 @@ def run(
     epochs: int = 5,
     lr: float = 1e-4,
     float_epochs: int = 40,
+    factor: float = FACTOR,
     seed: int = 0,
     rank: int = 0,
     world: int = 1,
@@ -142,7 +160,7 @@ def run(
     model = load_or_train(splits, float_epochs, seed, use_cache=True)
     if world > 1 and rank == 0:
         dist.barrier()
-    teacher = plant_outliers(model, splits.calibration)
+    teacher = plant_outliers(model, splits.calibration, factor)
     test_x, test_y = splits.test
     calib_x, _ = splits.calibration
     prepared = calibrate(teacher, calib_x, rank, world)
@@ -199,6 +217,7 @@ def _ddp_main(rank: int, world: int, args) -> None:
         r = run(
             args.epochs,
             args.lr,
+            factor=args.factor,
             rank=rank,
             world=world,
             device=device,
@@ -215,6 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--factor", type=float, default=FACTOR, help="outlier scale-up")
     parser.add_argument("--ddp", type=int, default=1, help="processes (DDP) to spawn")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU even with GPUs")
     parser.add_argument("--port", type=int, default=29517)
@@ -225,7 +245,7 @@ def main() -> None:
     elif args.ddp > 1:
         torch.multiprocessing.spawn(_ddp_main, args=(args.ddp, args), nprocs=args.ddp)
     else:
-        report(run(args.epochs, args.lr, progress=not args.quiet), "cpu")
+        report(run(args.epochs, args.lr, factor=args.factor, progress=not args.quiet), "cpu")
 
 
 if __name__ == "__main__":

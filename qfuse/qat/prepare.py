@@ -105,9 +105,12 @@ def _insert_weight_fq(gm, chain: Chain, nodes, config, qat, record) -> None:
     module = ConvBnFakeQuant(chain.conv, eps, momentum, wfq, bn_freeze, chain.name)
     gm.add_submodule(name, module)
     if qat.learnable_scales:  # start LSQ from the scale of the weight folded with running stats
-        gamma, var = (attr_tensor(gm, n.target) for n in (bn.args[1], bn.args[4]))
+        var = attr_tensor(gm, bn.args[4].target)
+        factor = torch.rsqrt(var + eps)
+        if bn.args[1] is not None:  # affine BatchNorm
+            factor = factor * attr_tensor(gm, bn.args[1].target)
         with torch.no_grad():
-            wfq.current_scale(weight * (gamma / torch.sqrt(var + eps)).reshape(-1, 1, 1, 1))
+            wfq.current_scale(weight * factor.reshape(-1, 1, 1, 1))
     bias = anchor.args[2] if len(anchor.args) > 2 else None
     with gm.graph.inserting_before(bn):
         node = gm.graph.call_module(name, (anchor.args[0], anchor.args[1], bias, *bn.args[1:5]))
