@@ -71,8 +71,10 @@ def calibrate(model, calib_x, rank: int, world: int):
 def qat_finetune(teacher, prepared, splits, epochs, lr, rank, world, device, progress):
     """LSQ QAT from PTQ's scales; DDP when ``world`` > 1. Returns the QAT model (eval mode)."""
     calib_x, _ = splits.calibration
+    student = copy.deepcopy(teacher).train()
+    student.dropout.p = 0.0  # distillation: train the function that will be served
     qat = qfuse.prepare_qat(
-        copy.deepcopy(teacher).train(),
+        student,
         CONFIG,
         example_inputs=(calib_x[:8],),
         qat=qfuse.QATConfig(learnable_scales=True, bn_freeze_step=0),
@@ -143,7 +145,7 @@ def fingerprint(qmodel) -> torch.Tensor:
 
 def run(
     epochs: int = 6,
-    lr: float = 1e-4,
+    lr: float = 5e-5,
     float_epochs: int = 40,
     factor: float = FACTOR,
     seed: int = 0,
@@ -233,7 +235,7 @@ def _ddp_main(rank: int, world: int, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--factor", type=float, default=FACTOR, help="outlier scale-up")
     parser.add_argument("--ddp", type=int, default=1, help="processes (DDP) to spawn")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU even with GPUs")
