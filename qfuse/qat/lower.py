@@ -22,6 +22,7 @@ from qfuse.errors import ModeError, QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.prepare import prepare
 from qfuse.primitives import SCALE_EPS, inverse
+from qfuse.qat.modules import full_tensor
 from qfuse.state import get_state
 
 
@@ -63,7 +64,8 @@ class LearnedScales:
 
 
 def _learned_weight_scale(fq, out_channels: int) -> torch.Tensor:
-    return fq.scale.detach().float().clamp(min=SCALE_EPS).expand(out_channels).clone()
+    scale = full_tensor(fq.scale.detach()).float().reshape(-1)
+    return scale.clamp(min=SCALE_EPS).expand(out_channels).clone()
 
 
 def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
@@ -80,9 +82,8 @@ def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
         warnings.simplefilter("ignore", FutureWarning)
         arch = copy.deepcopy(record.float_model)
     names = set(arch.state_dict())
-    arch.load_state_dict(
-        {k: v for k, v in qat_model.state_dict().items() if k in names}, strict=False
-    )
+    trained = {k: full_tensor(v) for k, v in qat_model.state_dict().items() if k in names}
+    arch.load_state_dict(trained, strict=False)
     prepared = prepare(
         arch.eval(),
         state.config,

@@ -18,6 +18,11 @@ from qfuse.qat.fake_quant import (
 )
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter FSDP2 sharded (a DTensor), else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class ActivationFakeQuant(nn.Module):
     """Fake-quantizes a fused layer's input on the grid its converted prologue uses.
 
@@ -50,8 +55,8 @@ class ActivationFakeQuant(nn.Module):
         self.freeze_step, self.layer_name = freeze_step, layer_name
         self.observer = observer
         self.symmetric = observer.symmetric if observer is not None else True
-        if learnable:
-            self.scale = nn.Parameter(torch.ones((), dtype=torch.float32))
+        if learnable:  # shape (1,), not (): FSDP2's fully_shard refuses scalar parameters
+            self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         else:
             self.register_buffer("scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32))
@@ -61,7 +66,7 @@ class ActivationFakeQuant(nn.Module):
 
     def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
         with torch.no_grad():
-            self.scale.copy_(scale.reshape(()))
+            self.scale.copy_(scale.reshape(self.scale.shape))
             self.zero_point.copy_(zero_point.reshape(()))
             self.initialized.fill_(1)
 
@@ -104,7 +109,8 @@ class ActivationFakeQuant(nn.Module):
         self.check_initialized()
         from qfuse.primitives import SCALE_EPS
 
-        return self.scale.detach().clamp(min=SCALE_EPS).clone(), self.zero_point.clone()
+        scale = full_tensor(self.scale.detach()).reshape(())
+        return scale.clamp(min=SCALE_EPS).clone(), self.zero_point.clone()
 
     def extra_repr(self) -> str:
         kind = "dynamic" if self.dynamic else ("learnable" if self.learnable else "observed")
@@ -122,7 +128,7 @@ class WeightFakeQuant(nn.Module):
         super().__init__()
         self.dtype, self.per_channel, self.learnable = dtype, per_channel, learnable
         if learnable:
-            self.scale = nn.Parameter(torch.ones(out_channels if per_channel else ()))
+            self.scale = nn.Parameter(torch.ones(out_channels if per_channel else 1))
             self.register_buffer("initialized", torch.zeros((), dtype=torch.uint8))
 
     def current_scale(self, weight: torch.Tensor) -> torch.Tensor:
@@ -132,7 +138,7 @@ class WeightFakeQuant(nn.Module):
         if not bool(self.initialized):
             with torch.no_grad():
                 start = weight_scale_like_convert(weight, self.dtype, self.per_channel)
-                self.scale.copy_(start if self.per_channel else start[0])
+                self.scale.copy_(start if self.per_channel else start[:1])
                 self.initialized.fill_(1)
         return self.scale.expand(weight.shape[0])
 
