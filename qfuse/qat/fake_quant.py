@@ -30,6 +30,7 @@ from qfuse.primitives import (
     dequantize,
     inverse,
     weight_codes,
+    weight_scale,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -161,8 +162,6 @@ def fake_quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def weight_scale_like_convert(weight: torch.Tensor, dtype: torch.dtype, per_channel: bool):
     """The scale convert computes for this weight (``primitives.weight_scale``), detached."""
-    from qfuse.primitives import weight_scale
-
     return weight_scale(weight.detach(), dtype, per_channel)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from qfuse.errors import CalibrationError
 from qfuse.observers import make_observer
 from qfuse.observers.base import Observer
+from qfuse.primitives import SCALE_EPS
 from qfuse.qat.distributed import sync_observer
 from qfuse.qat.fake_quant import (
     fake_quantize_activation,
@@ -28,7 +29,9 @@ class ActivationFakeQuant(nn.Module):
 
     Static: an observer (the QConfig's kind) watches training batches and sets ``scale`` /
     ``zero_point`` until ``freeze_step`` training steps have run; with ``learnable`` the scale is
-    an ``nn.Parameter`` (LSQ) that the observer only initialises. Under ``torch.distributed`` the
+    an ``nn.Parameter`` (LSQ) that the observer only initialises, on the first training batch
+    (under FSDP2, run that batch, or start from a PTQ model, before ``fully_shard``: a sharded
+    parameter does not keep what a forward writes into it). Under ``torch.distributed`` the
     observer statistics are all-reduced every step, so every rank holds the same scale. Dynamic
     (per-token) quantization has no scale to keep. ``smoothing`` (SmoothQuant's factors, carried
     over from a PTQ model) quantizes ``x / s`` through the prologue vector, as convert does.
@@ -107,8 +110,6 @@ class ActivationFakeQuant(nn.Module):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (scale, zero point) the converted layer gets: the current, frozen ones."""
         self.check_initialized()
-        from qfuse.primitives import SCALE_EPS
-
         scale = full_tensor(self.scale.detach()).reshape(())
         return scale.clamp(min=SCALE_EPS).clone(), self.zero_point.clone()
 
