@@ -17,6 +17,7 @@ from torch import fx
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
+from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.gptq import round_layer
@@ -210,6 +211,7 @@ def convert(
     keep_float: Mapping[str, str] | None = None,
     layer_dtypes: Mapping[str, torch.dtype] | None = None,
     notes: Mapping[str, str] | None = None,
+    fuse_norms: bool = True,
 ) -> fx.GraphModule:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -218,6 +220,9 @@ def convert(
     another quantized dtype than the config's (``torch.int8`` / ``torch.float8_e4m3fn``: fp8 for
     the layers int8 serves worst keeps them fused and fast); int8 and fp8 layers exchange float.
     ``notes`` adds a per-layer note to ``qfuse.summary`` (why a layer got its dtype).
+    ``fuse_norms`` lets a LayerNorm read by static quantized layers quantize its output for them
+    in the same kernel (``fusion.norm_quant``; False keeps ATen's LayerNorm and the readers
+    quantize in their prologue).
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -304,6 +309,11 @@ def convert(
             )
         )
     fuse_chains(gm, state.chains, modules)
+    if fuse_norms:
+        from_norm = fuse_layernorm_quant(gm)
+        for rec in layers:
+            if rec.name in from_norm:
+                rec.input = f"{rec.precision} from LayerNorm ({from_norm[rec.name]})"
     kept = [
         Skipped(c.name, c.kind, f"kept float: {keep_float[c.name]}")
         for c in state.chains

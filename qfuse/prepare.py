@@ -13,6 +13,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, find_chains
+from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.gptq import GPTQ
 from qfuse.gptq import select as gptq_select
 from qfuse.observers import make_observer
@@ -88,6 +89,7 @@ def prepare(
     layer_configs: Mapping[str, QConfig] | None = None,
     smoothquant: SmoothQuant | None = None,
     gptq: GPTQ | None = None,
+    merge_siblings: bool = True,
 ) -> fx.GraphModule:
     """Capture ``model`` and insert observers in front of every fusible Linear/Conv2d chain.
 
@@ -99,6 +101,8 @@ def prepare(
     SmoothQuant (``qfuse.SmoothQuant(alpha=...)``): inputs of the smoothed layers get per-channel
     MinMax observers, whose statistics the smoothing factors need. ``gptq`` (``qfuse.GPTQ()``)
     also records each layer's input Hessian, and convert rounds the weights with GPTQ.
+    ``merge_siblings`` merges Linears that read one input and end there (Q, K, V) into one layer
+    over concatenated weights, named after its members (``fusion.siblings``).
 
     Example:
         >>> import torch, qfuse
@@ -120,6 +124,7 @@ def prepare(
             )
     gm = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     folded = fold_batchnorm(gm)
+    merged = merge_sibling_linears(gm) if merge_siblings else []
     chains, skipped = find_chains(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     smoothed = smoothquant_select(gm, chains, smoothquant) if smoothquant else []
@@ -150,6 +155,7 @@ def prepare(
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
+    state.merged = merged
     state.smoothquant, state.smoothed = smoothquant, smoothed
     state.gptq, state.hessians = gptq, hessians
     set_state(gm, state)

@@ -40,6 +40,7 @@ class QFuseState:
     # GPTQ (QAT's learned scales: qfuse.qat.lower).
     plan_transforms: list = field(default_factory=list)
     qat: object | None = None  # qfuse.qat.prepare.QATRecord on a model from qfuse.prepare_qat
+    merged: list[list[str]] = field(default_factory=list)  # sibling Linears merged (members)
 
 
 def get_state(model) -> QFuseState | None:

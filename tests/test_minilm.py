@@ -44,7 +44,8 @@ def test_summary_lists_fused_gelu_and_residual_chains(converted):
     patterns = [r["pattern"] for r in rows if r["precision"] == "int8"]
     assert patterns.count("Linear→GELU") == 6
     assert patterns.count("Linear→residual") == 12
-    assert patterns.count("Linear") == 19  # q, k, v per layer + pooler
+    assert patterns.count("Linear") == 7  # q, k, v merged into one GEMM per layer + pooler
+    assert "encoder.layer.0.attention.self.query_key_value" in [r["name"] for r in rows]
     gelu = next(r for r in rows if r["pattern"] == "Linear→GELU")
     assert gelu["name"] == "encoder.layer.0.intermediate.dense"
     assert gelu["output"] == "int8 to encoder.layer.0.output.dense"

@@ -16,10 +16,15 @@ def test_shared_input_gets_one_observer():
         def forward(self, x):
             return self.q(x) + self.k(x) * self.v(x)
 
-    prepared = qfuse.prepare(QKV().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 16),))
+    x = (torch.randn(2, 16),)
+    prepared = qfuse.prepare(QKV().eval(), qfuse.QConfig.int8_static(), x, merge_siblings=False)
     observers = [m for m in prepared.modules() if isinstance(m, MinMaxObserver)]
     assert len(observers) == 1
     assert "q, k, v" in observers[0].layer_name
+    # Merged (the default), k and v are one layer; q absorbed the add as its residual.
+    prepared = qfuse.prepare(QKV().eval(), qfuse.QConfig.int8_static(), x)
+    (observer,) = [m for m in prepared.modules() if isinstance(m, MinMaxObserver)]
+    assert observer.layer_name == "q, k_v (input)"
 
 
 def test_prepare_leaves_float_model_untouched_and_outputs_equal():

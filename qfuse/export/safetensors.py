@@ -44,8 +44,10 @@ from qfuse.export.tensors import (
     to_cpu_unshared,
 )
 from qfuse.fusion.bn_fold import fold_batchnorm
+from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.fusion.rewrite import fuse_chains, module_paths
+from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.state import QFuseState, set_state
 from qfuse.summary import summary
 
@@ -98,6 +100,7 @@ def save(qmodel: fx.GraphModule, path: str | os.PathLike) -> None:
         ],
         "skipped": [{"name": s.name, "kind": s.kind, "reason": s.reason} for s in state.skipped],
         "folded_batchnorms": list(state.folded_batchnorms),
+        "merged": [list(g) for g in state.merged],
         "aliases": aliases,
         "checksums": {name: checksum(t) for name, t in tensors.items()},
     }
@@ -133,18 +136,35 @@ def load(
     target = torch.device(device) if device is not None else _device_of(float_model)
     gm = _capture_on(float_model, example_inputs, example_kwargs, dynamic_shapes, target)
     folded = fold_batchnorm(gm)
+    merged = _merge_as_saved(gm, meta, path)
     chains, _ = find_chains(gm)
     paths = module_paths(chains)
     by_path = _match_layers(meta, chains, paths, path)
     modules, fused_names = _build_modules(gm, meta, by_path, tensors, target, path)
     fuse_chains(gm, chains, modules)
+    fuse_layernorm_quant(gm)  # as convert did: the readers' saved layouts expect it
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.
     layers = [layer_record(entry) for entry in meta["layers"]]
     state = QFuseState(config, "converted", chains, skipped, {}, layers, folded_batchnorms=folded)
+    state.merged = merged
     set_state(gm, state)
     return gm
+
+
+def _merge_as_saved(gm: fx.GraphModule, meta: dict, path: str) -> list[list[str]]:
+    """Merge sibling Linears as prepare did for the saved model (none for files without the key)."""
+    saved = meta.get("merged") or []
+    if not saved:
+        return []
+    merged = merge_sibling_linears(gm)
+    if sorted(map(sorted, merged)) != sorted(map(sorted, saved)):
+        raise FormatError(
+            f"{path}: the model merges sibling Linears {merged}, the file {saved}; load it into "
+            "the float model it was saved from."
+        )
+    return merged
 
 
 # Reading ---------------------------------------------------------------------------------------

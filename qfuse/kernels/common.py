@@ -9,6 +9,8 @@ torch on the CPU, and a 1-ulp difference flips an int8 rounding now and then; li
 not run in the interpreter.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -17,6 +19,7 @@ import triton.language as tl
 # interpreter does not — the spine's first GPU run failed to compile on exactly this.
 ROUND_MAGIC = tl.constexpr(12582912.0)
 FP8_E4M3_MAX = tl.constexpr(448.0)
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # Activation codes passed to kernels as the ACT constexpr. "gelu" is the erf form
 # (torch.nn.GELU()), "gelu_tanh" the tanh form (torch.nn.GELU(approximate="tanh")).
@@ -35,6 +38,28 @@ def tile_indices(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def mul_rn(a, b):
+    """``a * b`` rounded on its own, never contracted with a following add into an FMA.
+
+    Kernels are launched with ``enable_fp_fusion=False``, but torch.compile launches them from
+    Inductor's wrapper, which does not pass that option (torch 2.11-2.13), so a product feeding
+    an add would fuse and round once instead of twice — 1 ulp, enough to flip an int8 rounding.
+    An explicitly rounded ``mul.rn.f32`` is never contracted. The interpreter computes in numpy,
+    which never contracts.
+    """
+    if INTERPRETED:
+        return a * b
+    else:
+        out = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r",
+            [a.to(tl.float32).to(tl.int32, bitcast=True),
+             b.to(tl.float32).to(tl.int32, bitcast=True)],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )
+        return out.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -90,20 +115,20 @@ def exp_f32(x):
     activation here: their results saturate far earlier).
     """
     x = tl.minimum(tl.maximum(x, -87.0), 88.0)
-    n = round_half_even(x * 1.4426950408889634)
+    n = round_half_even(mul_rn(x, x * 0.0 + 1.4426950408889634))
     # Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4; the first product is exact for |n| < 2**15.
-    r = x - n * 0.693359375
-    r = r + n * 2.12194440e-4
-    p = 1.9841269841269841e-4
-    p = p * r + 1.3888888888888889e-3
-    p = p * r + 8.3333333333333333e-3
-    p = p * r + 4.1666666666666667e-2
-    p = p * r + 1.6666666666666667e-1
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
+    r = x - mul_rn(n, n * 0.0 + 0.693359375)
+    r = r + mul_rn(n, n * 0.0 + 2.12194440e-4)
+    p = r * 0.0 + 1.9841269841269841e-4
+    p = mul_rn(p, r) + 1.3888888888888889e-3
+    p = mul_rn(p, r) + 8.3333333333333333e-3
+    p = mul_rn(p, r) + 4.1666666666666667e-2
+    p = mul_rn(p, r) + 1.6666666666666667e-1
+    p = mul_rn(p, r) + 0.5
+    p = mul_rn(p, r) + 1.0
+    p = mul_rn(p, r) + 1.0
     two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return p * two_n
+    return mul_rn(p, two_n)
 
 
 @triton.jit
@@ -114,21 +139,21 @@ def gelu_erf(x):
     """
     z = x * 0.7071067811865476
     az = tl.abs(z)
-    t = tl.math.div_rn(az * 0.0 + 1.0, 1.0 + 0.3275911 * az)
-    poly = 1.061405429
-    poly = poly * t + -1.453152027
-    poly = poly * t + 1.421413741
-    poly = poly * t + -0.284496736
-    poly = poly * t + 0.254829592
-    erfc = poly * t * exp_f32(-(az * az))
+    t = tl.math.div_rn(az * 0.0 + 1.0, 1.0 + mul_rn(az, az * 0.0 + 0.3275911))
+    poly = t * 0.0 + 1.061405429
+    poly = mul_rn(poly, t) + -1.453152027
+    poly = mul_rn(poly, t) + 1.421413741
+    poly = mul_rn(poly, t) + -0.284496736
+    poly = mul_rn(poly, t) + 0.254829592
+    erfc = mul_rn(mul_rn(poly, t), exp_f32(-(az * az)))
     one_plus_erf = tl.where(z < 0.0, erfc, 2.0 - erfc)
-    return 0.5 * x * one_plus_erf
+    return mul_rn(0.5 * x, one_plus_erf)
 
 
 @triton.jit
 def gelu_tanh(x):
     """0.5 * x * (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3)."""
-    u = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+    u = 0.7978845608028654 * (x + mul_rn(x * x * x, x * 0.0 + 0.044715))
     return tl.math.div_rn(x, 1.0 + exp_f32(-2.0 * u))
 
 
@@ -139,15 +164,28 @@ def silu(x):
 
 
 @triton.jit
-def activation(x, ACT: tl.constexpr):
+def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """The activation coded ``ACT``. ``FAST`` swaps the IEEE-exact GELU/SiLU polynomials (~40
+    float ops an element, run after the MMAs) for the hardware ``erf``/``exp`` forms: outputs then
+    differ from the CPU reference by rounding (int8: at most one step, rarely; tested in
+    tests/kernels/test_fast_epilogue.py). ReLU and identity are exact either way."""
     if ACT == 1:
         x = tl.maximum(x, 0.0)
     elif ACT == 2:
-        x = gelu_erf(x)
+        if FAST:
+            x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+        else:
+            x = gelu_erf(x)
     elif ACT == 3:
-        x = gelu_tanh(x)
+        if FAST:
+            x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * (x * x * x)))
+        else:
+            x = gelu_tanh(x)
     elif ACT == 4:
-        x = silu(x)
+        if FAST:
+            x = x * tl.sigmoid(x)
+        else:
+            x = silu(x)
     return x
 
 

@@ -21,7 +21,7 @@ from qfuse.kernels.common import FP8_E4M3_MAX, quantize_fp8, quantize_int8
 SCALE_EPS = tl.constexpr(1.1920928955078125e-07)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quantize_kernel(
     # pointers
     x_ptr,
@@ -85,39 +85,34 @@ def _quantize_kernel(
         tl.store(q_ptr + offs_m[:, None] * stride_qm + cols[None, :], q, mask=mask)
 
 
-def quantize(
+def quantize_args(
     x: torch.Tensor,
     qdtype: torch.dtype,
     inv_scale: torch.Tensor | None,
     zero_point: torch.Tensor | None,
     exact: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantize 2-D ``x`` to ``qdtype`` (int8 or float8_e4m3fn).
-
-    ``inv_scale`` given (a scalar, or [K] per input channel): static, returns ``(q, None)``.
-    ``inv_scale`` None: dynamic per-token (symmetric), returns ``(q, scale)``, ``scale`` [M].
-    """
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int], dict, dict]:
+    """Outputs ``(q, scale)``, grid, arguments (in ``_quantize_kernel``'s order: the 5 pointers
+    and M first) and launch options of one quantize launch; see ``quantize``."""
     M, K = x.shape
     q = torch.empty((M, K), device=x.device, dtype=qdtype)
     dynamic = inv_scale is None
     scale = torch.empty((M,), device=x.device, dtype=torch.float32) if dynamic else None
-    if M == 0:
-        return q, scale
     # 4 rows of up to 1024 columns per program: 16-byte loads, and M / 4 programs fill the GPU
     # for every M where a separate pass is chosen (M >= 128).
     block_m, block_k = 4, min(1024, triton.next_power_of_2(K))
     dummy = scale if dynamic else inv_scale
-    _quantize_kernel[(-(-M // block_m),)](  # ceil without triton.cdiv's ~6 us of host time
-        x,
-        inv_scale if not dynamic else dummy,
-        zero_point if zero_point is not None else dummy,
-        q,
-        scale if dynamic else dummy,
-        M,
-        K,
-        x.stride(0),
-        x.stride(1),
-        q.stride(0),
+    args = dict(
+        x_ptr=x,
+        inv_scale_ptr=inv_scale if not dynamic else dummy,
+        zp_ptr=zero_point if zero_point is not None else dummy,
+        q_ptr=q,
+        scale_ptr=scale if dynamic else dummy,
+        M=M,
+        K=K,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        stride_qm=q.stride(0),
         FP8=qdtype == torch.float8_e4m3fn,
         DYNAMIC=dynamic,
         INV_VEC=not dynamic and inv_scale.numel() > 1,
@@ -125,7 +120,36 @@ def quantize(
         EXACT=exact,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
-        num_warps=4,
-        enable_fp_fusion=False,
     )
+    options = dict(num_warps=4, enable_fp_fusion=False)
+    return q, scale, (-(-M // block_m),), args, options  # ceil without triton.cdiv's host cost
+
+
+def quantize(
+    x: torch.Tensor,
+    qdtype: torch.dtype,
+    inv_scale: torch.Tensor | None,
+    zero_point: torch.Tensor | None,
+    exact: bool,
+    wrap=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize 2-D ``x`` to ``qdtype`` (int8 or float8_e4m3fn).
+
+    ``inv_scale`` given (a scalar, or [K] per input channel): static, returns ``(q, None)``.
+    ``inv_scale`` None: dynamic per-token (symmetric), returns ``(q, scale)``, ``scale`` [M].
+    ``wrap``: ``torch.library.wrap_triton`` on the op's traced CUDA path.
+    """
+    q, scale, grid, args, options = quantize_args(x, qdtype, inv_scale, zero_point, exact)
+    if isinstance(x.shape[0], int) and x.shape[0] == 0:
+        return q, scale
+    kernel = wrap(_quantize_kernel) if wrap is not None else _quantize_kernel
+    kernel[grid](**args, **options)
     return q, scale
+
+
+def quantize_with_args(x, qdtype, inv_scale, zero_point):
+    """``quantize`` on CUDA, also returning the compiled kernel and its arguments (for
+    ``launcher.build``): ``(q, scale, compiled, args)``."""
+    q, scale, grid, args, options = quantize_args(x, qdtype, inv_scale, zero_point, False)
+    compiled = _quantize_kernel[grid](**args, **options)
+    return q, scale, compiled, args

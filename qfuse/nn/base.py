@@ -21,6 +21,8 @@ class QuantizedModule(nn.Module):
         cast = fn(torch.zeros((), dtype=torch.float32)).dtype != torch.float32
         before = {k: b for k, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
+        if hasattr(self, "_launch_cache"):  # compiled kernels belong to the old device
+            self._launch_cache = {}
         for name, old in before.items():
             new = self._buffers[name]
             if cast or new.dtype != old.dtype:
@@ -43,6 +45,8 @@ class QuantizedModule(nn.Module):
 
     # Plain (non-tensor) attributes that, with the buffers, fully describe a built module.
     LAYOUT_FIELDS: tuple[str, ...] = ("activation", "out_dtype", "_input_quantized")
+    # Layout fields added later, with the value a file written before them means.
+    LAYOUT_DEFAULTS: dict = {}
 
     def layout(self) -> dict:
         """JSON-able description of the non-tensor state (dtypes as their names)."""
@@ -61,7 +65,7 @@ class QuantizedModule(nn.Module):
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
         for name in cls.LAYOUT_FIELDS:
-            value = layout[name]
+            value = layout[name] if name in layout else cls.LAYOUT_DEFAULTS[name]
             if name == "out_dtype":
                 value = getattr(torch, value)
             setattr(mod, name, value)

@@ -1,16 +1,22 @@
 """``qfuse::qlinear``: the fused quantized Linear as a torch custom op.
 
-Being a custom op with a fake (meta) implementation is what lets ``torch.compile(fullgraph=True)``,
-``torch.export`` and ``torch.jit.trace`` see one opaque node instead of tracing into Triton.
+Registered with ``torch.library.triton_op``: ``torch.export`` and ``torch.jit.trace`` see one
+node, while ``torch.compile`` traces the body, so Inductor launches the Triton kernels from its own
+generated code (``wrap_triton``), fuses the ops around them and CUDA-graphs them under
+``mode="reduce-overhead"``. CPU tensors run the PyTorch reference inside the same body.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from qfuse.errors import ShapeError, UnsupportedError
 from qfuse.ops import reference
 from qfuse.ops.backend import Backend, resolve_backend
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FP8 = torch.float8_e4m3fn
 QUANTIZED_DTYPES = (torch.int8, FP8)
@@ -64,6 +70,7 @@ def _impl(
     activation: str,
     out_dtype: torch.dtype,
     x_scale: torch.Tensor | None = None,
+    fast_act: bool = False,
 ) -> torch.Tensor:
     """Fused ``[quantize] -> int8/fp8 GEMM -> scale -> bias -> act -> [+ residual] -> [requant]``,
     the body of the ``qfuse::qlinear`` op.
@@ -73,6 +80,10 @@ def _impl(
     with its per-token scales ``x_scale`` [...]). ``weight`` is int8 or fp8 [N, K]; ``scale`` [N]
     is ``s_x * s_w`` (static) or ``s_w`` (dynamic). Output [..., N] of ``out_dtype``; int8/fp8
     outputs are requantized with ``out_inv_scale`` (and ``out_zero_point`` for int8).
+    ``fast_act`` runs GELU/SiLU with hardware erf/exp on the GPU (the CPU reference is exact).
+
+    On CUDA the Triton kernels are launched through ``torch.library.wrap_triton``: traced by
+    ``torch.compile``, Inductor launches them from its own generated code and CUDA-graphs them.
     """
     _check(x, weight, x_inv_scale, x_zero_point, x_scale, out_inv_scale, out_dtype)
     lead, K = x.shape[:-1], x.shape[-1]
@@ -85,18 +96,19 @@ def _impl(
     if resolve_backend(x.device) is Backend.TRITON:
         from qfuse.kernels.qgemm import qlinear as kernel
 
-        out = kernel(*args, x_scale=xs2)
+        wrap = torch.library.wrap_triton if x.device.type == "cuda" and not INTERPRETED else None
+        out = kernel(*args, x_scale=xs2, fast_act=fast_act, wrap=wrap)
     else:
         out = reference.qlinear(*args, x_scale=xs2)
     return out.reshape(*lead, N)
 
 
-qlinear = torch.library.custom_op("qfuse::qlinear", _impl, mutates_args=())
+qlinear = torch.library.triton_op("qfuse::qlinear", _impl, mutates_args=())
 
 
 @qlinear.register_fake
 def _(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual, out_inv_scale,
-      out_zero_point, activation, out_dtype, x_scale=None):
+      out_zero_point, activation, out_dtype, x_scale=None, fast_act=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
@@ -111,14 +123,37 @@ def _eager(x: torch.Tensor) -> bool:
 
 
 def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
-                 out_inv_scale, out_zero_point, activation, out_dtype, x_scale=None):
+                 out_inv_scale, out_zero_point, activation, out_dtype, x_scale=None,
+                 fast_act=False, cache=None):
     """What modules call: the ``qfuse::qlinear`` op where it is traced, compiled, exported or
-    differentiated, its body directly in plain eager inference.
+    differentiated; in plain eager inference the op's body directly, and on CUDA with a
+    ``cache`` (the layer's own dict) cached compiled kernels (``kernels.qgemm.qlinear_eager``).
 
     The op's dispatcher and autograd layers cost ~30 us of host time per call (measured on a
-    CPU host: 44 us through the op against 12 us for the body alone), as much as the whole
-    kernel at decode sizes on an H200; skipping them changes no numbers.
+    CPU host: 44 us through the op against 12 us for the body alone), and Triton's own launch
+    25-36 us on the H200 machine, as much as the whole kernel at decode sizes; skipping them
+    changes no numbers (the cached launch is checked against Triton's on its first use).
     """
-    fn = _impl if _eager(x) else torch.ops.qfuse.qlinear
-    return fn(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
-              out_inv_scale, out_zero_point, activation, out_dtype, x_scale)
+    if not _eager(x):
+        return torch.ops.qfuse.qlinear(x, weight, scale, bias, x_inv_scale, x_zero_point,
+                                       weight_sum, residual, out_inv_scale, out_zero_point,
+                                       activation, out_dtype, x_scale, fast_act)
+    if (cache is not None and x.is_cuda and x_scale is None and not INTERPRETED
+            and resolve_backend(x.device) is Backend.TRITON):
+        from qfuse.kernels.qgemm import qlinear_eager
+
+        K = x.shape[-1]
+        if x.dim() == 2 and K == weight.shape[1]:  # the hot path: no reshapes, checked plans
+            return qlinear_eager(cache, x, weight, scale, bias, x_inv_scale, x_zero_point,
+                                 weight_sum, residual, out_inv_scale, out_zero_point,
+                                 activation, out_dtype, fast_act, _check)
+        if x.dim() > 2 and K == weight.shape[1]:
+            lead = x.shape[:-1]
+            N = weight.shape[0]
+            res2 = residual.reshape(-1, N) if residual is not None else None
+            out = qlinear_eager(cache, x.reshape(-1, K), weight, scale, bias, x_inv_scale,
+                                x_zero_point, weight_sum, res2, out_inv_scale, out_zero_point,
+                                activation, out_dtype, fast_act, _check)
+            return out.view(*lead, N)
+    return _impl(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
+                 out_inv_scale, out_zero_point, activation, out_dtype, x_scale, fast_act)

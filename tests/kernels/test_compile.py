@@ -63,13 +63,15 @@ def compile_qlinear(variant) -> dict:
         FP8="fp8" in w, X_QUANTIZED=xq, X_INV_VEC=not xq and "fp8" in w, X_ROW_SCALE=rows,
         HAS_X_ZP=not xq and "i8" in w,
         HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=True, OUT_Q=out_q,
-        HAS_OUT_ZP=out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False,
+        HAS_OUT_ZP=out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False, FAST_ACT=act == "silu",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
         EPI_SPLIT=2 if act == "gelu" else 1,
     )
     kernel = compile_sm90(qgemm._qlinear_kernel, qgemm_pointers(w, x, out, acc), constexprs,
                           num_warps=warps, num_stages=stages)
-    return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in kernel.asm["ptx"], "bm": bm}
+    ptx = kernel.asm["ptx"]
+    return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "bm": bm,
+            "mul_rn": "mul.rn.f32" in ptx}
 
 
 def compile_quantize(fp8, dynamic) -> None:
@@ -80,9 +82,20 @@ def compile_quantize(fp8, dynamic) -> None:
     compile_sm90(quantize._quantize_kernel, ptrs, constexprs, num_warps=4)
 
 
+def compile_layernorm(fp8) -> None:
+    from qfuse.kernels import layernorm
+
+    ptrs = dict(x_ptr="*bf16", w_ptr="*fp32", b_ptr="*fp32", inv_scale_ptr="*fp32",
+                zp_ptr="*i32", y_ptr="*bf16", q_ptr="*fp8e4nv" if fp8 else "*i8")
+    constexprs = dict(EPS=1e-12, HAS_W=True, HAS_B=True, HAS_ZP=not fp8, FP8=fp8, WRITE_Y=True,
+                      Y_MANT=7, Y_EMIN=-126, EXACT=False, BLOCK_M=4, BLOCK_D=1024)
+    compile_sm90(layernorm._ln_quant_kernel, ptrs, constexprs, num_warps=4)
+
+
 def child_main() -> None:
     results = [compile_qlinear(v) for v in VARIANTS]
     for fp8 in (False, True):
+        compile_layernorm(fp8)
         for dynamic in (False, True):
             compile_quantize(fp8, dynamic)
     print(json.dumps(results))
@@ -99,8 +112,9 @@ def compiled():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_kernels_compile_for_sm90(compiled):
-    assert len(compiled) == len(VARIANTS)
+def test_epilogue_products_are_explicitly_rounded(compiled):
+    # common.mul_rn: exact even where torch.compile launches without enable_fp_fusion=False
+    assert all(info["mul_rn"] for info in compiled)
 
 
 @pytest.mark.parametrize("i", range(len(VARIANTS)))

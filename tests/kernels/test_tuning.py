@@ -103,3 +103,15 @@ def test_heavy_epilogue_caps_the_tile(fake_gpu, monkeypatch):
     heavy = tuning.pick_config(5000, 64, 64, "int8-xq", dev, False, run=print, heavy_epilogue=True)
     assert (light.block_m, light.block_n) == (256, 128)
     assert (heavy.block_m, heavy.block_n, heavy.num_stages) == (128, 128, 4)
+
+
+@pytest.mark.parametrize("kind", ["int8-xf", "fp8-xf", "int8-xq"])
+@pytest.mark.parametrize("M", [16, 800, 4096])
+@pytest.mark.parametrize("tune", [True, False])
+def test_every_pick_fits_shared_memory(fake_gpu, monkeypatch, kind, M, tune):
+    # The untuned pick (compile, capture, QFUSE_AUTOTUNE=0) has no failed launch to skip, and
+    # the autotuner must time the heavy-epilogue cap that will run, so neither may overflow.
+    monkeypatch.setenv("QFUSE_AUTOTUNE", "1" if tune else "0")
+    cfg = tuning.pick_config(M, 1536, 384, kind, torch.device("cpu"), False,
+                             run=lambda c: None, heavy_epilogue=True, x_bytes=4)
+    assert tuning.fits(cfg, kind, 4), cfg

@@ -1,0 +1,249 @@
+"""Whole transformer encoders on the GPU: qfuse against what a user would run instead.
+
+    PYTHONPATH=. python bench/bench_models.py --models minilm-l6 --batches 1,32,128
+    PYTHONPATH=. python bench/bench_models.py --models bert-base --batches 1,32,128
+
+Models: BERT-base (transformers' ``BertConfig()`` defaults) and all-MiniLM-L6-v2
+(``bench/minilm_config.json``), random weights, SDPA attention, seq 128. Implementations, all in
+one process: fp32 eager; bf16 eager / ``torch.compile`` / graphed; torchao 0.18 int8 dynamic and
+fp8 per-row (+ compile, graphed); qfuse int8 static (asymmetric) and fp8 static, eager /
+compiled / graphed. qfuse models are prepared, calibrated (4 random batches) and converted on the
+GPU from the bf16 model, so every op qfuse does not quantize runs in bf16 as in the baselines.
+
+"compile" is ``torch.compile`` (default mode); "graph" is that compiled callable captured in a
+CUDA graph and replayed (what ``mode="reduce-overhead"`` does, without a second compilation).
+Every row is checked against the fp32 model's ``last_hidden_state`` before it is timed (rows over
+the gate carry ``error``), timed with ``do_bench`` medians, and profiled: a ``breakdown`` of GPU
+microseconds per kernel class (quantized GEMM, quantize/dequantize, GEMM, attention, LayerNorm,
+other elementwise) and the kernel count, so every loss can be read off where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+import qfuse  # noqa: E402
+
+SEQ = 128
+GATE = {"fp32": 1e-5, "bf16": 0.05, "torchao_int8": 0.25, "torchao_fp8": 0.25,
+        "qfuse_int8": 0.25, "qfuse_fp8": 0.25}
+
+# Kernel classes by name, first match wins (Inductor names fused kernels after their ops).
+CLASSES = (
+    ("LayerNorm", ("layer_norm", "layernorm", "_ln_quant")),  # qfuse's LN+quantize counts here
+    ("quantized GEMM", ("_qlinear_kernel", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
+                        "_fp8_", "fp8_gemm", "int8_gemm")),
+    ("quantize/dequantize", ("_quantize_kernel", "quant", "dequant", "amax", "to_fp8",
+                             "_to_copy")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("GEMM", ("gemm", "xmma", "cutlass", "mm_", "_mm", "matmul", "sm90", "tem_fused")),
+)
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other elementwise"
+
+
+def build(model: str, dtype: torch.dtype, device: str):
+    from transformers import BertConfig, BertModel
+
+    if model == "bert-base":
+        config = BertConfig()
+    else:
+        config = BertConfig.from_json_file(str(Path(__file__).parent / "minilm_config.json"))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return BertModel(config, add_pooling_layer=False).eval().to(device=device, dtype=dtype)
+
+
+def tokens(batch: int, device: str, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30000, (batch, SEQ), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+
+
+def qfuse_model(model, config, device):
+    calib = [tokens(8, device, seed=10 + i) for i in range(4)]
+    dyn = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+    prepared = qfuse.prepare(model, config, (), example_kwargs=calib[0],
+                             dynamic_shapes={"input_ids": dyn, "attention_mask": dyn})
+    for batch in calib:
+        prepared(**batch)
+    return qfuse.convert(prepared)
+
+
+def torchao_model(model, kind):
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        PerRow,
+        quantize_,
+    )
+
+    model = copy.deepcopy(model)
+    cfg = (Int8DynamicActivationInt8WeightConfig() if kind == "int8"
+           else Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    quantize_(model, cfg)
+    return model
+
+
+def hidden(out) -> torch.Tensor:
+    return out["last_hidden_state"] if isinstance(out, dict) else out[0]
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (static inputs); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return lambda: (graph.replay(), out)[1]
+
+
+def breakdown(fn, calls: int = 3) -> tuple[dict, int]:
+    """GPU microseconds per kernel class per call, and kernels per call (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    count = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        count += 1
+        cls = classify(e.name)
+        out[cls] = out.get(cls, 0.0) + e.device_time / calls
+    out = {k: round(v, 1) for k, v in sorted(out.items())}
+    out["total"] = round(sum(out.values()), 1)
+    return out, count // calls
+
+
+def run_row(rows, model_name, batch, impl, mode, fn, ref, out_path):
+    row = dict(model=model_name, batch=batch, seq=SEQ, impl=impl, mode=mode)
+    t0 = time.time()
+    try:
+        out = hidden(fn())
+        err = harness.rel_err(out.float(), ref)
+        row["max_rel_err"] = err
+        if not err <= GATE[impl]:
+            row["error"] = f"wrong result: rel err {err:.3g} > {GATE[impl]}"
+        else:
+            row["median_us"] = harness.median_us(fn)
+            row["breakdown"], row["launches"] = breakdown(fn)
+    except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash
+        row["error"] = harness.error_text(exc)
+    torch.cuda.synchronize()
+    row["wall_s"] = round(time.time() - t0, 1)
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "breakdown"}), flush=True)
+    harness.write_results(out_path, rows)  # keep what was measured if a later row dies
+
+
+@torch.no_grad()
+def bench_model(model_name, batches, impls, rows, out_path):
+    dev = "cuda"
+    fp32 = build(model_name, torch.float32, dev)
+    bf16 = build(model_name, torch.bfloat16, dev)
+    models = {}
+    if "qfuse_int8" in impls:
+        models["qfuse_int8"] = qfuse_model(bf16, qfuse.QConfig(symmetric=False), dev)
+    if "qfuse_fp8" in impls:
+        models["qfuse_fp8"] = qfuse_model(bf16, qfuse.QConfig.fp8_static(), dev)
+    for kind in ("int8", "fp8"):
+        if f"torchao_{kind}" in impls:
+            try:
+                models[f"torchao_{kind}"] = torchao_model(bf16, kind)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(model=model_name, impl=f"torchao_{kind}", mode="eager",
+                                 batch=0, seq=SEQ, error=harness.error_text(exc)))
+    for batch in batches:
+        inp = tokens(batch, dev)
+        ref = hidden(fp32(**inp)).double()
+        if "fp32" in impls:
+            run_row(rows, model_name, batch, "fp32", "eager", lambda i=inp: fp32(**i), ref,
+                    out_path)
+        for impl in impls:
+            if impl == "fp32":
+                continue
+            model = bf16 if impl == "bf16" else models.get(impl)
+            if model is None:
+                continue
+            modes = ("compile", "graph") if impl.startswith("torchao") else (
+                "eager", "compile", "graph")
+            if "eager" in modes:
+                run_row(rows, model_name, batch, impl, "eager", lambda m=model, i=inp: m(**i), ref,
+                        out_path)
+            torch._dynamo.reset()
+            compiled = torch.compile(model)
+            fn = lambda c=compiled, i=inp: c(**i)  # noqa: E731
+            run_row(rows, model_name, batch, impl, "compile", fn, ref, out_path)
+            try:
+                replay = graphed(fn)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(dict(model=model_name, batch=batch, seq=SEQ, impl=impl,
+                                 mode="graph", error=harness.error_text(exc)))
+                continue
+            run_row(rows, model_name, batch, impl, "graph", replay, ref, out_path)
+
+
+def table(rows):
+    """Markdown: per model and batch, µs per impl/mode and × bf16 in the same mode."""
+    base = {(r["model"], r["batch"], r["mode"]): r["median_us"] for r in rows
+            if r.get("impl") == "bf16" and "median_us" in r}
+    lines = ["| model | batch | impl | mode | µs | × bf16 same mode | launches | rel err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "median_us" not in r:
+            lines.append(f"| {r['model']} | {r.get('batch')} | {r['impl']} | {r.get('mode')} | "
+                         f"{r.get('error', '')[:80]} | | | |")
+            continue
+        b = base.get((r["model"], r["batch"], r["mode"]))
+        ratio = f"{b / r['median_us']:.2f}" if b else ""
+        lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | {r['mode']} | "
+                     f"{r['median_us']:.0f} | {ratio} | {r.get('launches', '')} | "
+                     f"{r['max_rel_err']:.3g} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="minilm-l6,bert-base")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--impls", default="fp32,bf16,torchao_int8,torchao_fp8,qfuse_int8,qfuse_fp8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    out_path = args.out or str(Path(__file__).parent / "results" / f"models_{gpu}.json")
+    rows: list[dict] = []
+    impls = args.impls.split(",")
+    for model_name in args.models.split(","):
+        bench_model(model_name, [int(b) for b in args.batches.split(",")], impls, rows,
+                    out_path)
+    print(table(rows))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
