@@ -55,7 +55,7 @@ def carry_over(ptq, chains: list[Chain], config) -> dict[str, Carry]:
     if missing:
         raise QFuseError(
             f"the PTQ model has no layers {missing}: prepare it from the same float model "
-            "(same architecture and example inputs) as the QAT model."
+            "(same architecture and example inputs, same merge_siblings) as the QAT model."
         )
     dtypes = {c.name: config.dtype for c in ptq_chains}
     plan = _Plan(ptq, state, ptq_chains, state.observers, dtypes, {})  # GPTQ: QAT learns rounding

@@ -82,8 +82,8 @@ def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
         warnings.simplefilter("ignore", FutureWarning)
         arch = copy.deepcopy(record.float_model)
     names = set(arch.state_dict())
-    trained = {k: full_tensor(v) for k, v in qat_model.state_dict().items() if k in names}
-    arch.load_state_dict(trained, strict=False)
+    qat_tensors = {k: full_tensor(v) for k, v in qat_model.state_dict().items()}
+    arch.load_state_dict({k: v for k, v in qat_tensors.items() if k in names}, strict=False)
     prepared = prepare(
         arch.eval(),
         state.config,
@@ -91,7 +91,12 @@ def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
         record.example_kwargs,
         record.dynamic_shapes,
         layer_configs=record.layer_configs,
+        merge_siblings=record.merge_siblings,
     )
+    with torch.no_grad():  # tensors prepare made, which QAT trained too (merged Q/K/V weights)
+        for name, tensor in prepared.state_dict().items():
+            if name not in names and name in qat_tensors:
+                tensor.copy_(qat_tensors[name])
     pstate = get_state(prepared)
     mismatch = {c.name for c in pstate.chains} ^ set(record.act_fq)
     if mismatch:

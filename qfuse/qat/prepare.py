@@ -14,6 +14,7 @@ from qfuse.config import PerChannel, QConfig
 from qfuse.errors import ModeError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, find_chains
+from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.prepare import config_for
 from qfuse.qat.config import QATConfig
 from qfuse.qat.conv_bn import ConvBnFakeQuant
@@ -35,6 +36,7 @@ class QATRecord:
     dynamic_shapes: object
     qat: QATConfig
     layer_configs: Mapping[str, QConfig] | None
+    merge_siblings: bool = True
     act_fq: dict[str, str] = field(default_factory=dict)  # chain name -> ActivationFakeQuant
     weight_fq: dict[str, str] = field(default_factory=dict)  # chain name -> WeightFakeQuant
     prologue: set[str] = field(default_factory=set)  # chains smoothed in the prologue
@@ -141,6 +143,7 @@ def prepare_qat(
     qat: QATConfig | None = None,
     layer_configs: Mapping[str, QConfig] | None = None,
     from_prepared: fx.GraphModule | None = None,
+    merge_siblings: bool = True,
 ) -> fx.GraphModule:
     """Capture ``model`` (in train mode) with fake quant at every point ``qfuse.convert`` will
     quantize: each fusible layer's input (the prologue's rounding and clamping, static or
@@ -151,7 +154,9 @@ def prepare_qat(
     ``qat`` (``qfuse.QATConfig``) picks observer-driven or learnable (LSQ) scales and the freeze
     steps. ``from_prepared``: a calibrated ``qfuse.prepare`` model of the same float model, whose
     activation scales, observers and SmoothQuant factors QAT starts from. ``model`` itself is not
-    modified (QAT trains a copy; keep ``model`` as the float teacher).
+    modified (QAT trains a copy; keep ``model`` as the float teacher). ``merge_siblings`` merges
+    Q/K/V-like sibling Linears into one layer as ``qfuse.prepare`` does (QAT trains the merged
+    weight); it must match the ``from_prepared`` model's.
 
     Example:
         >>> import torch, qfuse
@@ -171,10 +176,28 @@ def prepare_qat(
     float_model = copy.deepcopy(model)
     work = copy.deepcopy(model)
     gm = capture(work, example_inputs, example_kwargs, dynamic_shapes, training=True)
+    merged = merge_sibling_linears(gm) if merge_siblings else []
     chains, skipped = find_chains(gm)
+    for members in merged:  # the merged weight trains if its members did
+        parent = members[0].rpartition(".")[0]
+        chain = next(  # the chain whose weight prepare made, under the members' parent
+            c
+            for c in chains
+            if c.name.startswith(parent) and c.weight not in dict(float_model.named_parameters())
+        )
+        trainable = any(float_model.get_parameter(f"{m}.weight").requires_grad for m in members)
+        for target in (chain.weight, chain.bias):
+            if target is not None:
+                attr_tensor(gm, target).requires_grad_(trainable)
     carried = carry_over(from_prepared, chains, config) if from_prepared is not None else {}
     record = QATRecord(
-        float_model, example_inputs, example_kwargs, dynamic_shapes, qat, layer_configs
+        float_model,
+        example_inputs,
+        example_kwargs,
+        dynamic_shapes,
+        qat,
+        layer_configs,
+        merge_siblings,
     )
     nodes = {n.name: n for n in gm.graph.nodes}
     with torch.no_grad():
@@ -221,6 +244,6 @@ def prepare_qat(
     gm.graph.lint()
     gm.recompile()
     state = QFuseState(config, "qat", chains, skipped)
-    state.qat = record
+    state.qat, state.merged = record, merged
     set_state(gm, state)
     return gm.train()
