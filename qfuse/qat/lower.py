@@ -105,24 +105,27 @@ def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
             "graph of the model (code under `if self.training`?); QAT cannot convert them."
         )
     fp8 = state.config.dtype == torch.float8_e4m3fn
+    # The QAT model may have trained on a GPU; convert builds on the float model's device.
+    dev = next(iter(arch.parameters()), torch.empty(0)).device
+    here = lambda pair: tuple(t.to(dev) for t in pair)  # noqa: E731
     for source, obs_name in pstate.observers.items():
         reader = next(c for c in pstate.chains if c.input == source)
         fq = qat_model.get_submodule(record.act_fq[reader.name])
         if fq.dynamic:  # no scale: the converted layer quantizes per token
             fixed = FixedQParams(torch.ones(()), torch.zeros((), dtype=torch.int32), True)
         else:
-            fixed = FixedQParams(*fq.calculate_qparams(), fq.symmetric or fp8)
+            fixed = FixedQParams(*here(fq.calculate_qparams()), fq.symmetric or fp8)
         prepared.set_submodule(obs_name, fixed)
     x_qparams, smoothing, weight_scales = {}, {}, {}
     for name in record.prologue:
         fq = qat_model.get_submodule(record.act_fq[name])
-        x_qparams[name], smoothing[name] = fq.calculate_qparams(), fq.smoothing.clone()
+        x_qparams[name], smoothing[name] = here(fq.calculate_qparams()), fq.smoothing.to(dev)
     for name, path in record.weight_fq.items():
         wfq = qat_model.get_submodule(path)
         if wfq.learnable:
             chain = next(c for c in pstate.chains if c.name == name)
             out_channels = attr_tensor(prepared, chain.weight).shape[0]
-            weight_scales[name] = _learned_weight_scale(wfq, out_channels)
+            weight_scales[name] = _learned_weight_scale(wfq, out_channels).to(dev)
     pstate.plan_transforms = [LearnedScales(x_qparams, smoothing, weight_scales)]
     prepared.requires_grad_(False)
     merged = {}
