@@ -14,6 +14,7 @@ from qfuse.errors import (
     CalibrationError,
     CaptureError,
     FormatError,
+    ModeError,
     QFuseError,
     ShapeError,
     UnsupportedError,
@@ -23,6 +24,7 @@ from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.gptq import GPTQ
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.prepare import prepare
+from qfuse.qat import QATConfig, prepare_qat, sync_observers
 from qfuse.routing import CostModel, RoutePlan, route
 from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.smoothquant import SmoothQuant
@@ -39,9 +41,11 @@ __all__ = [
     "CostModel",
     "FallbackResult",
     "FormatError",
+    "ModeError",
     "PerChannel",
     "PerTensor",
     "PerToken",
+    "QATConfig",
     "QConfig",
     "QFuseError",
     "SearchResult",
@@ -55,12 +59,14 @@ __all__ = [
     "auto_fallback",
     "convert",
     "prepare",
+    "prepare_qat",
     "resolve_backend",
     "route",
     "search",
     "RoutePlan",
     "sensitivity",
     "summary",
+    "sync_observers",
     "use_backend",
     "save",
     "load",

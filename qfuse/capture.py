@@ -43,15 +43,18 @@ def capture(
     example_inputs: tuple,
     example_kwargs: dict | None = None,
     dynamic_shapes=None,
+    *,
+    training: bool = False,
 ) -> fx.GraphModule:
-    """An ``fx.GraphModule`` of aten ops equivalent to ``model`` in eval mode.
+    """An ``fx.GraphModule`` of aten ops equivalent to ``model`` in eval mode (``training=True``:
+    in train mode, for QAT: dropout and batch-statistics BatchNorm stay in the graph).
 
     Raises ``CaptureError`` naming the model and the likely fix when export fails.
     """
     kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    model.eval()
+    model.train(training)
     try:
         with without_cache(model, kwargs) as kwargs:
             if dynamic_shapes is None:

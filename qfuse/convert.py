@@ -105,6 +105,8 @@ class _Plan:
                     self.smoothing.get(c.name),
                 )
                 self.weight_scales[c.name] = scale
+        for transform in state.plan_transforms:
+            transform.apply(self)
 
 
 def _handoff_readers(chain, readers_of, nodes, observers, plan) -> list[Chain]:
@@ -236,6 +238,14 @@ def convert(
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
     """
+    qat_state = get_state(prepared)
+    if qat_state is not None and qat_state.stage == "qat":
+        # A QAT model converts through the PTQ path: qfuse.qat.lower hands back a prepared model
+        # with QAT's learned scales (imported here: the QAT room sits above convert).
+        from qfuse.qat.lower import lower
+
+        prepared, notes = lower(prepared, notes)
+        inplace = True
     state = _state(prepared)
     keep_float = dict(keep_float or {})
     layer_dtypes = dict(layer_dtypes or {})
@@ -299,7 +309,7 @@ def convert(
         if chain.name in state.smoothed:
             where = "prologue" if chain.name in plan.prologue else "folded into producer"
             layer_notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
-        if chain.name in plan.weight_scales:
+        if chain.name in state.hessians:
             layer_notes.append(state.gptq.describe())
         if chain.name in notes:
             layer_notes.append(notes[chain.name])

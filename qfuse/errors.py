@@ -27,3 +27,8 @@ class ShapeError(QFuseError):
 
 class FormatError(QFuseError):
     """A saved qfuse file is unreadable, from a newer format version or does not match the model."""
+
+
+class ModeError(QFuseError):
+    """The model is in the wrong train/eval mode for this step (QAT trains in train mode,
+    converts in eval mode)."""

@@ -36,6 +36,10 @@ class QFuseState:
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
     gptq: object | None = None  # qfuse.gptq.GPTQ when enabled
     hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
+    # Objects with ``apply(plan)`` that convert runs on its per-layer plan after SmoothQuant and
+    # GPTQ (QAT's learned scales: qfuse.qat.lower).
+    plan_transforms: list = field(default_factory=list)
+    qat: object | None = None  # qfuse.qat.prepare.QATRecord on a model from qfuse.prepare_qat
     merged: list[list[str]] = field(default_factory=list)  # sibling Linears merged (members)
     source: object | None = None  # qfuse.validate.ModelRef: the user's model (output="model")
 

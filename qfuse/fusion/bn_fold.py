@@ -35,6 +35,17 @@ def _bn_output(bn: fx.Node) -> fx.Node | None:
     return getters[0] if len(getters) == 1 and len(bn.users) == 1 else None
 
 
+def fold_conv_bn(weight, bias, gamma, beta, mean, var, eps: float):
+    """The folded ``(weight, bias)`` in the weight's dtype (float64 inside). Differentiable: QAT
+    trains through it (qfuse/qat/conv_bn.py), and convert folds with this same function."""
+    inv_std = torch.rsqrt(var.double() + eps)
+    g = gamma.double() * inv_std if gamma is not None else inv_std
+    new_w = (weight.double() * g.reshape(-1, 1, 1, 1)).to(weight.dtype)
+    b = bias.double() if bias is not None else torch.zeros_like(mean, dtype=torch.float64)
+    new_b = (b - mean.double()) * g + (beta.double() if beta is not None else 0.0)
+    return new_w, new_b.to(weight.dtype)
+
+
 def fold_batchnorm(gm: fx.GraphModule) -> list[str]:
     """Fold every ``conv2d -> batch_norm(eval)`` pair in place; returns the folded BN targets."""
     folded = []
@@ -56,11 +67,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> list[str]:
         except ValueError:
             continue
         eps = bn.args[7] if bn.target == aten.batch_norm.default else bn.args[6]
-        inv_std = torch.rsqrt(var.double() + eps)
-        g = gamma.double() * inv_std if gamma is not None else inv_std
-        new_w = (weight.double() * g.reshape(-1, 1, 1, 1)).to(weight.dtype)
-        b = bias.double() if bias is not None else torch.zeros_like(mean, dtype=torch.float64)
-        new_b = (b - mean.double()) * g + (beta.double() if beta is not None else 0.0)
+        new_w, new_b = fold_conv_bn(weight, bias, gamma, beta, mean, var, eps)
         w_target = conv.args[1].target
         b_target = (
             w_target[: -len("weight")] + "folded_bias"
