@@ -168,20 +168,33 @@ def autotune(
     report: list | None = None,
 ) -> GemmConfig:
     """The fastest of ``configs`` by median time of ``run(cfg)`` (configs that fail to launch,
-    e.g. out of shared memory, are skipped). ``report`` collects ``(cfg, ms or error)``."""
-    best, best_us = configs[0], float("inf")
+    e.g. out of shared memory, are skipped). ``report`` collects ``(cfg, ms or error)``.
+    Raises ``BackendError`` with every failure when none launched (returning one of them would
+    only fail again at the real call, as MiniLM's did in a sweep on the H200)."""
+    best, best_us = None, float("inf")
+    errors = []
     for cfg in configs:
         try:
             us = triton.testing.do_bench(lambda c=cfg: run(c), warmup=5, rep=25,
                                          return_mode="median")
         except Exception as exc:  # noqa: BLE001 — resource limits show up only at launch
+            errors.append((cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
             if report is not None:
-                report.append((cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
+                report.append(errors[-1])
             continue
         if report is not None:
             report.append((cfg, us))
         if us < best_us:
             best, best_us = cfg, us
+    if best is None:
+        from qfuse.errors import BackendError
+
+        raise BackendError(
+            "no GEMM schedule could launch on this GPU: "
+            + "; ".join(f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages} stages: {e}"
+                        for c, e in errors[:4])
+            + ". Set QFUSE_AUTOTUNE=0 to take the first candidate, or report the shape."
+        )
     return best
 
 

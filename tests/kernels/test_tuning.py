@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+import qfuse
 from qfuse.kernels import tuning
 from qfuse.kernels.tuning import GemmConfig, m_bucket
 
@@ -115,3 +116,15 @@ def test_every_pick_fits_shared_memory(fake_gpu, monkeypatch, kind, M, tune):
     cfg = tuning.pick_config(M, 1536, 384, kind, torch.device("cpu"), False,
                              run=lambda c: None, heavy_epilogue=True, x_bytes=4)
     assert tuning.fits(cfg, kind, 4), cfg
+
+
+def test_autotune_raises_when_no_schedule_launches(monkeypatch):
+    def run(cfg):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(tuning.triton.testing, "do_bench", lambda fn, **kw: fn())
+
+    report = []
+    with pytest.raises(qfuse.errors.BackendError, match="no GEMM schedule could launch"):
+        tuning.autotune(run, tuning.candidates(4096, 384, 384, "int8-xq", 132)[:2], report)
+    assert len(report) == 2 and all("out of resources" in e for _, e in report)
