@@ -486,7 +486,11 @@ def qlinear_eager(cache: dict, x, weight, scale, bias, x_inv_scale, x_zero_point
     checked with, and the caller has checked K.
     """
     M = x.shape[0]
-    key = (m_bucket(M), x.dtype, residual.dtype if residual is not None else None)
+    # Everything a plan's compiled kernels were specialized on that a caller may change
+    # between calls (the layer's other attributes are fixed by its buffers' identity).
+    key = (m_bucket(M), x.dtype, residual.dtype if residual is not None else None, act,
+           out_dtype, fast_act, x_inv_scale is None or x_inv_scale.numel(),
+           x_zero_point is None, bias is None, out_zero_point is None)
     plan = cache.get(key)
     if (plan is not None and x.is_contiguous() and x.data_ptr() % 16 == 0
             and (residual is None or (residual.is_contiguous() and residual.data_ptr() % 16 == 0
