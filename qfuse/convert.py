@@ -328,7 +328,7 @@ def convert(
         from_norm = fuse_layernorm_quant(gm)
         for rec in layers:
             if rec.name in from_norm:
-                rec.input = f"{rec.precision} from LayerNorm ({from_norm[rec.name]})"
+                rec.input = f"{rec.precision} from {from_norm[rec.name]}"
     kept = [
         Skipped(c.name, c.kind, f"kept float: {keep_float[c.name]}")
         for c in state.chains

@@ -1,4 +1,4 @@
-"""LayerNorm (after a residual add) and quantization in one pass over the row.
+"""LayerNorm or RMSNorm (after a residual add) and quantization in one pass over the row.
 
     y[M, D] = (x - mean) * rstd * weight + bias        (written in x's dtype, if asked)
     q[M, D] = quantize(y as written)                   (int8 with a zero point, or fp8 e4m3)
@@ -34,6 +34,7 @@ def _ln_quant_kernel(
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ZP: tl.constexpr, FP8: tl.constexpr,
     WRITE_Y: tl.constexpr, Y_MANT: tl.constexpr, Y_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    RMS: tl.constexpr = False, H_MANT: tl.constexpr = 0, H_EMIN: tl.constexpr = 0,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -42,11 +43,17 @@ def _ln_quant_kernel(
     mask = mask_m[:, None] & mask_d[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    mean = tl.sum(x, axis=1) / D
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / D
-    rstd = 1.0 / tl.sqrt(var + EPS)
-    y = xc * rstd[:, None]
+    if RMS:  # RMSNorm as transformers computes it: x * rsqrt(mean(x^2) + eps), cast, * weight
+        var = tl.sum(x * x, axis=1) / D
+        y = x * (1.0 / tl.sqrt(var + EPS))[:, None]
+        if H_MANT > 0:  # hidden.to(input_dtype) before the weight multiplies it
+            y = round_to_float_grid(y, H_MANT, H_EMIN)
+    else:
+        mean = tl.sum(x, axis=1) / D
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / D
+        rstd = 1.0 / tl.sqrt(var + EPS)
+        y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
@@ -75,7 +82,8 @@ def rows_per_program(D: int) -> int:
     return max(1, min(16, 4096 // triton.next_power_of_2(D)))
 
 
-def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted):
+def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted,
+                rms=False):
     """Grid, arguments (by name, in the kernel's order: the 7 pointers and M first), launch
     options and the outputs ``(y, q)`` of one launch over 2-D ``x`` [M, D]."""
     M, D = x.shape
@@ -93,16 +101,18 @@ def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, in
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_ZP=zero_point is not None,
         FP8=qdtype == torch.float8_e4m3fn, WRITE_Y=write_y, Y_MANT=mant, Y_EMIN=emin,
         EXACT=interpreted, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D),
+        RMS=rms, H_MANT=mant if rms else 0, H_EMIN=emin if rms else 0,
     )
     return (-(-M // block_m),), args, dict(num_warps=4), y, q
 
 
 def layer_norm_quant(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted,
-                     wrap=None):
-    """LayerNorm over the last dim of 2-D ``x`` [M, D] and its quantization: ``(y, q)``, ``y``
-    empty when ``write_y`` is False. ``wrap``: ``torch.library.wrap_triton`` when traced."""
+                     wrap=None, rms=False):
+    """LayerNorm (``rms``: RMSNorm) over the last dim of 2-D ``x`` [M, D] and its quantization:
+    ``(y, q)``, ``y`` empty when ``write_y`` is False. ``wrap``: ``torch.library.wrap_triton``
+    when traced."""
     grid, args, options, y, q = launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype,
-                                            write_y, interpreted)
+                                            write_y, interpreted, rms)
     kernel = wrap(_ln_quant_kernel) if wrap is not None else _ln_quant_kernel
     kernel[grid](**args, **options)
     return y, q

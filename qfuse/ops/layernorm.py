@@ -1,4 +1,5 @@
-"""``qfuse::layer_norm_quant``: LayerNorm whose output also leaves quantized for the next GEMMs.
+"""``qfuse::layer_norm_quant``: LayerNorm (or RMSNorm) whose output also leaves quantized for
+the next GEMMs.
 
 Returns ``(y, q)``: ``y`` the LayerNorm in ``x``'s dtype (empty when ``write_y`` is False: no
 float reader), ``q`` = ``y`` quantized with a static scale (int8 with an optional zero point, or
@@ -19,8 +20,13 @@ from qfuse.ops.backend import Backend, resolve_backend
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _reference(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y):
-    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+def _reference(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, rms=False):
+    if rms:  # the ops transformers' RMSNorm runs, in its order (what the unfused graph does)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        y = weight * h.to(x.dtype) if weight is not None else h.to(x.dtype)
+    else:
+        y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     yf = y.float()
     if qdtype == torch.float8_e4m3fn:
         q = reference.quantize_fp8(yf, inv_scale)
@@ -40,21 +46,23 @@ def layer_norm_quant(
     zero_point: torch.Tensor | None,
     qdtype: torch.dtype,
     write_y: bool,
+    rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; ``x`` is [..., D], normalized over D."""
+    """See the module docstring; ``x`` is [..., D], normalized over D (``rms``: RMSNorm, no
+    bias, as transformers computes it)."""
     if resolve_backend(x.device) is not Backend.TRITON:
-        return _reference(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y)
+        return _reference(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, rms)
     from qfuse.kernels.layernorm import layer_norm_quant as kernel
 
     lead, D = x.shape[:-1], x.shape[-1]
     wrap = torch.library.wrap_triton if x.device.type == "cuda" and not INTERPRETED else None
     y, q = kernel(x.reshape(-1, D).contiguous(), weight, bias, eps, inv_scale, zero_point,
-                  qdtype, write_y, INTERPRETED, wrap)
+                  qdtype, write_y, INTERPRETED, wrap, rms)
     return (y.view(*lead, D) if write_y else y), q.view(*lead, D)
 
 
 @layer_norm_quant.register_fake
-def _(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y):
+def _(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, rms=False):
     y = x.new_empty(x.shape if write_y else (0,))
     return y, x.new_empty(x.shape, dtype=qdtype)
 
@@ -62,7 +70,8 @@ def _(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y):
 _PLANS: dict = {}  # eager CUDA launches: key -> CachedLaunch (or the reason there is none)
 
 
-def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y):
+def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y,
+                          rms=False):
     """What converted graphs call: the op where traced, compiled or exported; in plain eager on
     CUDA the kernel through a cached launch (``kernels.launcher``), skipping the dispatcher and
     Triton's launch (~150 us of host time together on the H200 machine, per LayerNorm)."""
@@ -71,19 +80,19 @@ def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, w
     if not (_eager(x) and x.is_cuda and x.is_contiguous() and not INTERPRETED
             and resolve_backend(x.device) is Backend.TRITON):
         return torch.ops.qfuse.layer_norm_quant(x, weight, bias, eps, inv_scale, zero_point,
-                                                qdtype, write_y)
+                                                qdtype, write_y, rms)
     from qfuse.kernels import layernorm as k
     from qfuse.kernels.launcher import build, raw_stream
 
     D = x.shape[-1]
     M = x.numel() // D
     key = (x.device, D, x.dtype, qdtype, write_y, weight is None, bias is None,
-           zero_point is None, float(eps))
+           zero_point is None, float(eps), rms)
     plan = _PLANS.get(key)
     if plan is None or isinstance(plan, str) or x.data_ptr() % 16:
         x2 = x.reshape(M, D)
         grid, args, options, y, q = k.launch_args(x2, weight, bias, eps, inv_scale, zero_point,
-                                                  qdtype, write_y, False)
+                                                  qdtype, write_y, False, rms)
         compiled = k._ln_quant_kernel[grid](**args, **options)
         if plan is None:
             _PLANS[key] = build(compiled, k._ln_quant_kernel, args, 8)

@@ -65,3 +65,31 @@ def test_save_load_and_export_round_trip(tmp_path):
     prog = os.path.join(tmp_path, "m.pt2")
     qfuse.export_program(q, (X,), prog)
     assert torch.equal(torch.export.load(prog).module()(X), q(X))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_of_a_llama_fuses_and_matches_the_unfused_graph(dtype):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval().to(dtype)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda: torch.randint(0, 128, (2, 12), generator=g)  # noqa: E731
+    p = qfuse.prepare(model, qfuse.QConfig.int8_static(), (), example_kwargs={"input_ids": ids()})
+    for _ in range(3):
+        p(input_ids=ids())
+    fused, plain = qfuse.convert(p), qfuse.convert(p, fuse_norms=False)
+    rows = [r for r in qfuse.summary(fused).rows if "from RMSNorm" in (r.get("input") or "")]
+    assert len(rows) == 6  # q/k/v (merged), gate and up in each of the 2 layers
+    x = ids()
+    logits = lambda m, dev="cpu": m(input_ids=x.to(dev))[0].cpu()  # noqa: E731
+    assert torch.equal(logits(fused), logits(plain))
+    with qfuse.use_backend("triton"):  # interpreter on CPU, the kernel on the GPU
+        out = logits(fused.to(_dev()), _dev())
+    torch.testing.assert_close(out, logits(plain), rtol=0.05, atol=0.05)
+
+
+def _dev():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -57,3 +57,22 @@ def test_opcheck(write_y):
     args = case(4, 16, torch.float32, torch.int8, True)
     torch.library.opcheck(torch.ops.qfuse.layer_norm_quant.default, (*args, write_y),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@settings(max_examples=10, deadline=None)
+@given(M=st.integers(1, 9), D=st.sampled_from([8, 48, 100]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       qdtype=st.sampled_from([torch.int8, FP8]))
+def test_rms_kernel_matches_reference(M, D, dtype, qdtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, _, _, inv, _, qd = case(M, D, dtype, qdtype, False, seed=M + D, device=device)
+    w = w.to(dtype)  # transformers' RMSNorm weight has the activations' dtype
+    y, q = kernel(x, w, None, 1e-6, inv, None, qd, True, INTERPRETED, rms=True)
+    ry, rq = _reference(x.cpu(), w.cpu(), None, 1e-6, inv.cpu(), None, qd, True, rms=True)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(y.cpu().float(), ry.float(), rtol=tol, atol=tol)
+    if qdtype == torch.int8:
+        diff = (q.cpu().int() - rq.int()).abs()
+    else:
+        diff = (q.cpu().float() - rq.float()).abs() / rq.float().abs().clamp(min=2**-9) * 8
+    assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.05
