@@ -101,6 +101,12 @@ def run(epochs: int = 40, seed: int = 0, use_cache: bool = True, device: str | N
     calib_x, _ = splits.calibration
     test_x, test_y = splits.test
     batch = test_x[:256]
+    return ptq_results(model, calib_x, test_x, test_y, batch, dev)
+
+
+def ptq_results(model, calib_x, test_x, test_y, batch, dev) -> dict:
+    """fp32 against int8 and fp8 static PTQ of ``model`` (calibrated on ``calib_x`` in batches of
+    64): top-1 % on the test split, latency of one forward of ``batch``, and each summary."""
     model = model.to(dev)
     result = {
         "device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev),
@@ -125,6 +131,15 @@ def run(epochs: int = 40, seed: int = 0, use_cache: bool = True, device: str | N
     return result
 
 
+def print_results(r: dict) -> None:
+    """The recipe's table: top-1, drop against fp32 and latency per model, then the summary."""
+    print(f"{'model':<8}{'top-1 %':>10}{'drop':>8}{'latency/batch of ' + str(r['batch']):>26}")
+    for name in ("fp32", "int8", "fp8"):
+        drop = r["fp32_top1"] - r[f"{name}_top1"]
+        print(f"{name:<8}{r[f'{name}_top1']:>10.2f}{drop:>8.2f}{r[f'{name}_ms']:>23.2f} ms")
+    print(f"\nfused layers (int8):\n{r['int8_summary']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=40)
@@ -134,15 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     r = run(args.epochs, args.seed, not args.no_cache, args.device)
     print(f"\nDigits CNN+MLP, static PTQ ({r['device']}, test split of 450 images)\n")
-    print(f"{'model':<8}{'top-1 %':>10}{'drop':>8}{'latency/batch of ' + str(r['batch']):>26}")
-    for name in ("fp32", "int8", "fp8"):
-        drop = r["fp32_top1"] - r[f"{name}_top1"]
-        print(f"{name:<8}{r[f'{name}_top1']:>10.2f}{drop:>8.2f}{r[f'{name}_ms']:>23.2f} ms")
-    print(f"\nfused layers (int8):\n{r['int8_summary']}")
-
-
-if __name__ == "__main__":
-    main()
+    print_results(r)
 
 
 def sweep_spec(reduced: bool = False, seed: int = 0):
@@ -183,3 +190,7 @@ def sweep_spec(reduced: bool = False, seed: int = 0):
             f"{32 if reduced else 256}."
         ),
     )
+
+
+if __name__ == "__main__":
+    main()

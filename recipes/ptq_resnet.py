@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import qfuse
-from calibration.digits import batches, load_digits_splits
-from recipes.ptq_digits import accuracy, latency_ms
+from calibration.digits import load_digits_splits
+from recipes.ptq_digits import print_results, ptq_results
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SIZE = 16  # digits are 8x8; upsampled so that two stride-2 stages leave a 4x4 map
@@ -126,29 +125,7 @@ def run(epochs: int = 6, seed: int = 0, use_cache: bool = True, device: str | No
     calib_x = upsample(splits.calibration[0])
     test_x, test_y = upsample(splits.test[0]), splits.test[1]
     batch = test_x[:batch_size].contiguous(memory_format=torch.channels_last)
-    model = model.to(dev)
-    result = {
-        "device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev),
-        "batch": len(batch),
-        "train_s": train_s,
-        "fp32_top1": accuracy(model, test_x, test_y, dev),
-        "fp32_ms": latency_ms(model, batch, dev),
-    }
-    for name, config in (
-        ("int8", qfuse.QConfig.int8_static()),
-        ("fp8", qfuse.QConfig.fp8_static()),
-    ):
-        prepared = qfuse.prepare(model.cpu(), config, example_inputs=(calib_x[:8],))
-        with torch.no_grad():
-            for xb in batches(calib_x, 64):
-                prepared(xb)
-        qmodel = qfuse.convert(prepared).to(dev)
-        model = model.to(dev)
-        result[f"{name}_top1"] = accuracy(qmodel, test_x, test_y, dev)
-        result[f"{name}_ms"] = latency_ms(qmodel, batch, dev)
-        result[f"{name}_summary"] = qfuse.summary(qmodel)
-    result["summary"] = result["int8_summary"]
-    return result
+    return {"train_s": train_s, **ptq_results(model, calib_x, test_x, test_y, batch, dev)}
 
 
 def main() -> None:
@@ -161,11 +138,7 @@ def main() -> None:
     r = run(args.epochs, args.seed, not args.no_cache, args.device)
     print(f"\nDigits ResNet (basic blocks, {SIZE}x{SIZE}), static PTQ ({r['device']}, test split "
           f"of 450 images; trained in {r['train_s']:.0f} s)\n")
-    print(f"{'model':<8}{'top-1 %':>10}{'drop':>8}{'latency/batch of ' + str(r['batch']):>26}")
-    for name in ("fp32", "int8", "fp8"):
-        drop = r["fp32_top1"] - r[f"{name}_top1"]
-        print(f"{name:<8}{r[f'{name}_top1']:>10.2f}{drop:>8.2f}{r[f'{name}_ms']:>23.2f} ms")
-    print(f"\nfused layers (int8):\n{r['int8_summary']}")
+    print_results(r)
 
 
 if __name__ == "__main__":
