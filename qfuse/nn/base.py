@@ -29,6 +29,13 @@ class QuantizedModule(nn.Module):
                 self._buffers[name] = old.to(new.device)
         return self
 
+    def __getstate__(self):
+        # deepcopy/pickle: compiled-kernel launch plans belong to this process and device
+        state = self.__dict__.copy()
+        if "_launch_cache" in state:
+            state["_launch_cache"] = {}
+        return state
+
     def _set_qparams(self, prefix: str, scale, zero_point) -> None:
         """Buffers ``{prefix}_scale``, ``{prefix}_inv_scale``, ``{prefix}_zero_point`` (or None)."""
         if scale is None:

@@ -98,3 +98,16 @@ def test_every_preset_converts_and_runs_on_both_backends(device, preset):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     bound = 0.03 if cfg.dtype == torch.int8 else 0.1  # measured: int8 1.3-1.7%, fp8 5.3-5.6%
     assert ((ref - float_out).norm() / float_out.norm()) < bound
+
+
+def test_deepcopy_and_pickle_drop_launch_plans():
+    import copy
+    import pickle
+
+    lin = QLinear.from_float(torch.randn(8, 16), None, x_scale=torch.tensor(0.05),
+                             x_zero_point=None)
+    lin._launch_cache[("bucket",)] = object()  # stands for a plan holding a compiled kernel
+    for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert clone._launch_cache == {} and torch.equal(clone.weight, lin.weight)
+    x = torch.randn(3, 16)
+    assert torch.equal(copy.deepcopy(lin)(x), lin(x))
