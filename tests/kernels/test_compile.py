@@ -87,8 +87,10 @@ def compile_layernorm(fp8) -> None:
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*fp32", b_ptr="*fp32", inv_scale_ptr="*fp32",
                 zp_ptr="*i32", y_ptr="*bf16", q_ptr="*fp8e4nv" if fp8 else "*i8")
-    constexprs = dict(EPS=1e-12, HAS_W=True, HAS_B=True, HAS_ZP=not fp8, FP8=fp8, WRITE_Y=True,
-                      Y_MANT=7, Y_EMIN=-126, EXACT=False, BLOCK_M=4, BLOCK_D=1024)
+    # RMS mode on the fp8 variant: transformers' RMSNorm (no bias, bf16 rounding before the weight)
+    constexprs = dict(EPS=1e-12, HAS_W=True, HAS_B=not fp8, HAS_ZP=not fp8, FP8=fp8, WRITE_Y=True,
+                      Y_MANT=7, Y_EMIN=-126, EXACT=False, BLOCK_M=4, BLOCK_D=1024, RMS=fp8,
+                      H_MANT=7 if fp8 else 0, H_EMIN=-126 if fp8 else 0)
     compile_sm90(layernorm._ln_quant_kernel, ptrs, constexprs, num_warps=4)
 
 
