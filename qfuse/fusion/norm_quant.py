@@ -111,7 +111,7 @@ def fuse_layernorm_quant(gm: fx.GraphModule) -> dict[str, str]:
     """Fuse every eligible LayerNorm or RMSNorm; returns {reader layer path: "LayerNorm (node)"}."""
     fused: dict[str, str] = {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.graph is not gm.graph:
+        if node.op != "call_function":
             continue
         norm = _layer_norm(node) or _rms_norm(node)
         if norm is None:

@@ -84,8 +84,6 @@ def test_reduce_overhead_graphs_the_fused_kernels():
                                  "int8_dynamic", "fp8_dynamic"])
 @pytest.mark.parametrize("M", [1, 16, 130, 700])
 def test_cached_eager_launch_equals_triton_launch(cfg, M):
-    from qfuse.kernels import qgemm
-
     x = torch.randn(M, 32)
     q = _converted(MLPBlock(), getattr(qfuse.QConfig, cfg)(), x).cuda()
     x = x.cuda()
@@ -98,4 +96,3 @@ def test_cached_eager_launch_equals_triton_launch(cfg, M):
         m._launch_cache["plain"] = "forced for the test"
     plain = q(x)
     assert all(torch.equal(o, plain) for o in outs)
-    assert qgemm is not None
