@@ -41,7 +41,7 @@ GATE = {"fp32": 1e-5, "bf16": 0.05, "torchao_int8": 0.25, "torchao_fp8": 0.25,
 # Kernel classes by name, first match wins (Inductor names fused kernels after their ops).
 CLASSES = (
     ("LayerNorm", ("layer_norm", "layernorm", "_ln_quant")),  # qfuse's LN+quantize counts here
-    ("quantized GEMM", ("_qlinear_kernel", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
+    ("quantized GEMM", ("_qlinear_", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
                         "_fp8_", "fp8_gemm", "int8_gemm")),
     ("quantize/dequantize", ("_quantize_kernel", "quant", "dequant", "amax", "to_fp8",
                              "_to_copy")),

@@ -1,16 +1,23 @@
-"""The GEMMs of BERT-base and MiniLM one by one: every qfuse schedule candidate against cuBLAS bf16.
+"""The GEMMs of BERT-base and MiniLM one by one, as the fused model runs them, against cuBLAS.
 
     PYTHONPATH=. python bench/encoder_gemms.py [--out bench/results/encoder_gemms_h200.json]
 
 Whole-model profiles (bench_models.py) give the quantized GEMMs' total; this says, per shape,
-which schedule wins and by how much against ``F.linear`` in bf16, so the candidate list in
-``kernels/tuning.py`` is set from measurements. Inputs are int8/fp8 (handed over, as inside a
-fused model), outputs bf16; ``do_bench`` medians.
+which schedule wins and by how much, so the candidate list in ``kernels/tuning.py`` is set from
+measurements. Each layer runs with the epilogue it has inside the converted model (``LAYERS``):
+Q/K/V merged reading the LayerNorm's int8/fp8, bf16 out; the attention output projection
+quantizing SDPA's bf16 output in its prologue, + residual; FFN up with GELU (fast epilogue)
+writing int8/fp8; FFN down + residual. Baselines in the same run: ``F.linear`` bf16 with bias,
+``torch._int_mm`` (int8 in, int32 out, no epilogue) and ``torch._scaled_mm`` (fp8 per-row, bf16
+out). Every time is GPU time (``tuning.device_time_ms``: CUDA-graph replays), because an eager
+launch of a Triton kernel costs more host time than these GEMMs take; every schedule's output is
+checked against the reference before it counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -18,49 +25,125 @@ import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import harness as H  # noqa: E402
+from warm import Variant, make_args, precompile  # noqa: E402
 
 from qfuse.kernels import qgemm, tuning  # noqa: E402
+from qfuse.ops import reference  # noqa: E402
 
-SHAPES = {  # (K, N): q+k+v merged, attention out, FFN up, FFN down
-    "minilm": [(384, 1152), (384, 384), (384, 1536), (1536, 384)],
-    "bert-base": [(768, 2304), (768, 768), (768, 3072), (3072, 768)],
-}
+# (layer, K, N as multiples of the hidden size d) and its variant in the fused model
+LAYERS = (
+    ("qkv", 1, 3, dict(xq=True, act="none", residual=False, quantized_out=False)),
+    ("attn_out", 1, 1, dict(xq=False, act="none", residual=True, quantized_out=False)),
+    ("ffn_up", 1, 4, dict(xq=True, act="gelu", residual=False, quantized_out=True)),
+    ("ffn_down", 4, 1, dict(xq=True, act="none", residual=True, quantized_out=False)),
+)
+HIDDEN = {"minilm": 384, "bert-base": 768}
+
+
+def variant(qname: str, spec: dict) -> Variant:
+    return Variant(f"{qname}-{'xq' if spec['xq'] else 'xf'}", act=spec["act"],
+                   residual=spec["residual"], quantized_out=spec["quantized_out"],
+                   fast_act=spec["act"] == "gelu")
+
+
+def ms_us(fn) -> float:
+    return tuning.device_time_ms(fn) * 1e3
+
+
+def reference_out(args: dict) -> torch.Tensor:
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    return reference.qlinear(**a).to(args["x"].device)
+
+
+def one_row(model, M, layer, K, N, qname, v, cands) -> dict:
+    """Baselines and every schedule of one layer; the row with the fastest correct one."""
+    torch.manual_seed(0)
+    args = make_args(v, M, K, N)
+    xb = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    bb = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    row = dict(model=model, M=M, layer=layer, K=K, N=N, dtype=qname, kind=v.kind,
+               act=v.act, residual=v.residual, quantized_out=v.quantized_out,
+               bf16_us=ms_us(lambda: F.linear(xb, wb, bb)))
+    if qname == "int8":
+        xi = (xb * 20).clamp(-127, 127).to(torch.int8)
+        wt = (wb * 300).clamp(-127, 127).to(torch.int8).t()
+        row["int_mm_us"] = ms_us(lambda: torch._int_mm(xi, wt))
+    else:
+        xf = xb.to(torch.float8_e4m3fn)
+        wt = wb.to(torch.float8_e4m3fn).t()
+        sa = torch.ones(M, 1, device="cuda")
+        sb = torch.ones(1, N, device="cuda")
+        row["scaled_mm_us"] = ms_us(lambda: torch._scaled_mm(
+            xf, wt, sa, sb, out_dtype=torch.bfloat16))
+    # Every schedule is checked against the CPU reference of the same arguments before it is
+    # timed: int8 bit-exact (exact epilogue), fast GELU and fp8 within 2% relative.
+    ref = reference_out(args) if M <= 4096 else None
+    timed = []
+    for cfg in cands:
+        try:
+            out = qgemm.qlinear(**args, config=cfg, fast_act=v.fast_act)
+            if ref is not None:
+                err = H.rel_err(out.float(), ref.float().double())
+                if not err <= (0.02 if v.fast_act or qname == "fp8" else 1e-6):
+                    timed.append((float("inf"), cfg, f"wrong: rel err {err:.3g}"))
+                    continue
+            us = ms_us(lambda c=cfg: qgemm.qlinear(**args, config=c, fast_act=v.fast_act))
+            timed.append((us, cfg, None))
+        except Exception as exc:  # noqa: BLE001 — a schedule that cannot launch
+            timed.append((float("inf"), cfg, H.error_text(exc)))
+    ok = [t for t in timed if t[2] is None]
+    if not ok:
+        print(f"{model} M{M} {layer} {qname}: no schedule ran correctly: {timed[0][2]}")
+        return row | {"error": timed[0][2], "best_us": float("nan")}
+    best_us, best, _ = min(ok, key=lambda t: t[0])
+    row.update(best_us=best_us, best=dataclasses.asdict(best),
+               tops=2 * M * N * K / best_us / 1e6,
+               all=[(round(u, 2) if u != float("inf") else e, dataclasses.asdict(c))
+                    for u, c, e in timed])
+    base = row.get("int_mm_us") or row.get("scaled_mm_us")
+    print(f"{model:9s} M{M:<6d} {layer:9s} K{K:<5d} N{N:<5d} {qname:4s} "
+          f"bf16 {row['bf16_us']:7.1f}  cublas-q {base:7.1f}  qfuse {best_us:7.1f} us "
+          f"({row['bf16_us'] / best_us:4.2f}x bf16, {row['tops']:4.0f} TOPS) "
+          f"{best.block_m}x{best.block_n}x{best.block_k} w{best.num_warps} "
+          f"s{best.num_stages}{' P' if best.persistent else ''}"
+          f"{' pre' if best.prequantize else ''}", flush=True)
+    return row
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--M", default="4096,16384")
+    ap.add_argument("--M", default="128,4096,16384")
+    ap.add_argument("--models", default="minilm,bert-base")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    rows = []
-    for model, shapes in SHAPES.items():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = []
+    plan = []
+    for model in a.models.split(","):
+        d = HIDDEN[model]
         for M in map(int, a.M.split(",")):
-            for K, N in shapes:
-                xb = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
-                bf16 = H.median_us(lambda xb=xb, wb=wb: F.linear(xb, wb))
-                for qd, name in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
-                    x = (xb * 20).clamp(-127, 127).to(qd)
-                    w = (wb * 300).clamp(-127, 127).to(qd)
-                    scale = torch.full((N,), 1e-3, device="cuda")
-                    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                    report = []
-                    run = lambda cfg, x=x, w=w, s=scale, o=out: qgemm.launch(  # noqa: E731
-                        x, w, s, None, None, None, None, None, None, None, None, "gelu", o, cfg,
-                        True)
-                    cands = tuning.candidates(M, N, K, f"{name}-xq", 132)
-                    tuning.autotune(run, cands, report)
-                    timed = [(us * 1e3, c) for c, us in report if isinstance(us, float)]
-                    best_us, best = min(timed, key=lambda t: t[0])
-                    rows.append(dict(model=model, M=M, K=K, N=N, dtype=name, bf16_us=bf16,
-                                     best_us=best_us, best=str(best),
-                                     all=[(round(u, 2), str(c)) for u, c in timed]))
-                    print(f"{model:9s} M{M:<6d} K{K:<5d} N{N:<5d} {name:4s} bf16 {bf16:7.1f} us"
-                          f"  qfuse best {best_us:7.1f} us ({bf16 / best_us:4.2f}x)  "
-                          f"{best.block_m}x{best.block_n}x{best.block_k} w{best.num_warps} "
-                          f"s{best.num_stages}", flush=True)
+            for layer, kd, nd, spec in LAYERS:
+                for qname in ("int8", "fp8"):
+                    v = variant(qname, spec)
+                    heavy = spec["act"] not in ("none", "relu")
+                    cands = tuning.runnable_candidates(M, nd * d, kd * d, v.kind, sms, heavy)
+                    plan.append((model, M, layer, kd * d, nd * d, qname, v, cands))
+                    jobs += [(v, dataclasses.asdict(c)) for c in cands]
+    precompile(jobs)
+    rows = [one_row(*p) for p in plan]
     if a.out:
         H.write_results(a.out, rows)
+    # Per model and M: the four layers' sum, the number that goes into the whole model.
+    print("\n| model | M | dtype | bf16 µs | qfuse µs | × bf16 |")
+    print("|---|---|---|---|---|---|")
+    sums: dict = {}
+    for r in rows:
+        k = (r["model"], r["M"], r["dtype"])
+        b, q = sums.get(k, (0.0, 0.0))
+        sums[k] = (b + r["bf16_us"], q + r["best_us"])
+    for (model, M, qname), (b, q) in sums.items():
+        print(f"| {model} | {M} | {qname} | {b:.1f} | {q:.1f} | {b / q:.2f} |")
 
 
 if __name__ == "__main__":

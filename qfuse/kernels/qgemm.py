@@ -17,6 +17,7 @@ epilogue, so results stay deterministic and int8 outputs stay bit-exact.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -89,6 +90,52 @@ def _epilogue(
         if OUT_MANT > 0:
             y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(
+    acc, offs_m, pid_n, M, N,
+    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+    out_zp_ptr, out_ptr,
+    stride_rm, stride_rn, stride_om, stride_on,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
+):
+    """The epilogue on the whole tile, or (``EPI_SPLIT == 2``) on its two column halves one
+    after the other: every elementwise op of the epilogue materializes a full tile of
+    registers, so halving the tile halves the live set."""
+    if EPI_SPLIT == 1:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _epilogue(
+            acc, offs_m, offs_n, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
+        )
+    else:
+        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)),
+                                          (0, 2, 1)))
+        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        _epilogue(
+            left, offs_m, offs_h, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
+        )
+        _epilogue(
+            right, offs_m, offs_h + BLOCK_N // 2, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
+        )
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -186,37 +233,80 @@ def _qlinear_kernel(
                 acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next launch
     if is_last:
-        if EPI_SPLIT == 1:
-            _epilogue(
-                acc, offs_m, offs_n, M, N,
-                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-                out_zp_ptr, out_ptr,
-                stride_rm, stride_rn, stride_om, stride_on,
-                X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-                OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-            )
+        _finish(
+            acc, offs_m, pid_n, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
+        )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qlinear_persistent_kernel(
+    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
+):
+    """``_qlinear_kernel`` (same arguments, same numbers; no split-K) as a persistent kernel:
+    one program per SM walks the output tiles, and the flattened loop lets the software
+    pipeliner issue the next tile's first loads while this tile's epilogue runs. Short K loops
+    (encoder GEMMs: K = 384..768 is 3..6 tiles of 128) otherwise spend a pipeline fill and
+    drain per tile with the tensor cores idle."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    if not X_QUANTIZED:
+        if not X_INV_VEC:
+            x_inv_scale = tl.load(x_inv_scale_ptr)
+        x_zp = 0.0
+        if HAS_X_ZP:
+            x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = tile_indices(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows/columns past the edge read row/column 0 instead of being masked (only K is):
+        # unmasked loads pipeline better, and the epilogue's store mask drops them.
+        rows = tl.where(offs_m < M, offs_m, 0)
+        cols = tl.where(offs_n < N, offs_n, 0)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
+        if FP8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
-            # Two column halves, one after the other: every elementwise op of the epilogue
-            # materializes a full tile of registers, so halving the tile halves the live set.
-            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
-                                              (0, 2, 1)))
-            offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            _epilogue(
-                left, offs_m, offs_h, M, N,
-                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-                out_zp_ptr, out_ptr,
-                stride_rm, stride_rn, stride_om, stride_on,
-                X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-                OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-            )
-            _epilogue(
-                right, offs_m, offs_h + BLOCK_N // 2, M, N,
-                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-                out_zp_ptr, out_ptr,
-                stride_rm, stride_rn, stride_om, stride_on,
-                X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-                OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-            )
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k in range(0, k_tiles):
+            k_left = K - k * BLOCK_K
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            if not X_QUANTIZED:
+                if X_INV_VEC:
+                    inv_ptrs = x_inv_scale_ptr + k * BLOCK_K + offs_k
+                    x_inv_scale = tl.load(inv_ptrs, mask=offs_k < k_left, other=0.0)[None, :]
+                if FP8:
+                    a = quantize_fp8(a.to(tl.float32), x_inv_scale, EXACT)
+                else:
+                    a = quantize_int8(a.to(tl.float32), x_inv_scale, x_zp)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        _finish(
+            acc, offs_m, pid_n, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
+        )
 
 
 # One self-resetting counter per output tile and device (split-K); 1 MiB of int32 covers every
@@ -232,6 +322,25 @@ def _locks(device: torch.device, tiles: int, tracing: bool) -> torch.Tensor:
         locks = torch.zeros(max(tiles, 1 << 18), device=device, dtype=torch.int32)
         _LOCKS[device] = locks
     return locks
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid0(cfg: GemmConfig, tiles, device: torch.device):
+    """Programs along the grid's first axis: one per tile, or for a persistent schedule one per
+    SM (a program left without a tile exits at once; a fixed count keeps a symbolic M out of
+    the grid). The interpreter runs a few persistent programs so each walks several tiles."""
+    if not cfg.persistent:
+        return tiles
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 3
+
+
+def _kernel(cfg: GemmConfig):
+    return _qlinear_persistent_kernel if cfg.persistent else _qlinear_kernel
 
 
 def _is_quantized(x: torch.Tensor) -> bool:
@@ -290,7 +399,7 @@ def gemm_args(
         EPI_SPLIT=cfg.epi_split,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-    return (tiles, cfg.split_k), args, options
+    return (_grid0(cfg, tiles, x.device), cfg.split_k), args, options
 
 
 def launch(
@@ -318,7 +427,7 @@ def launch(
         x, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
         out_inv_scale, out_zero_point, act, out, cfg, fast_act, tracing=wrap is not None,
     )
-    kernel = wrap(_qlinear_kernel) if wrap is not None else _qlinear_kernel
+    kernel = wrap(_kernel(cfg)) if wrap is not None else _kernel(cfg)
     return kernel[grid](**args, **options)
 
 
@@ -414,7 +523,7 @@ class _Plan:
             locks = _locks(dev, tiles, False)
         d = scale
         self.gemm(
-            tiles, cfg.split_k, stream,
+            _grid0(cfg, tiles, dev), cfg.split_k, stream,
             x, weight, scale, x_scale if x_scale is not None else d,
             bias if bias is not None else d,
             x_inv_scale if x_inv_scale is not None else d,
@@ -456,7 +565,7 @@ def _build_plan(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, r
     compiled_g = launch(xg, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
                         residual, out_inv_scale, out_zero_point, act, g_args["out_ptr"], cfg,
                         fast_act)
-    gemm = build(compiled_g, _qlinear_kernel, g_args, 15)
+    gemm = build(compiled_g, _kernel(cfg), g_args, 15)
     for why in (gemm, quant):
         if isinstance(why, str):
             return None, why, out

@@ -40,6 +40,8 @@ class GemmConfig:
     # Run the epilogue on 1 or 2 column slices of the tile, one after the other: halves the
     # registers a heavy epilogue holds (GELU at 128x256: 5284 -> 3669 us); no gain at 128x128.
     epi_split: int = 1
+    # One program per SM walking the tiles (``qgemm._qlinear_persistent_kernel``); no split-K.
+    persistent: bool = False
 
 
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -125,6 +127,12 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
                                           (128, 64, 128, 4, 4), (64, 64, 128, 4, 4)):
             out.append(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
                                   prequantize=x_float))
+        # Persistent (one program per SM, the next tile's loads overlapping this tile's
+        # epilogue): a 3-6 deep K loop pays a pipeline fill and drain per tile otherwise.
+        for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+                                          (128, 128, 64, 4, 4)):
+            out.append(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
+                                  prequantize=x_float, persistent=True))
     if x_float and N <= 4096:
         # The prologue re-quantizes x once per column block: N / BLOCK_N times, few when N is
         # small, against a whole extra pass (and launch) over x for the separate quantize.
@@ -258,6 +266,16 @@ def fits(cfg: GemmConfig, kind: str, x_bytes: int = 2) -> bool:
     return cfg.num_stages * stage <= 200 * 1024
 
 
+def runnable_candidates(M: int, N: int, K: int, kind: str, sms: int, heavy_epilogue: bool,
+                        x_bytes: int = 2) -> list[GemmConfig]:
+    """``candidates`` as they will run: capped for a heavy epilogue (``for_epilogue``), and only
+    schedules that fit (a candidate that fails to launch is skipped by autotune, but an untuned
+    pick must run)."""
+    cands = list(dict.fromkeys(for_epilogue(c, heavy_epilogue)
+                               for c in candidates(M, N, K, kind, sms)))
+    return [c for c in cands if fits(c, kind, x_bytes)] or cands
+
+
 def pick_config(
     M: int,
     N: int,
@@ -287,11 +305,7 @@ def pick_config(
         cfg = GemmConfig(**stored)
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # Time what will run: capped for a heavy epilogue, and only schedules that fit (a
-        # candidate that fails to launch is skipped by autotune, but an untuned pick must run).
-        cands = list(dict.fromkeys(for_epilogue(c, heavy_epilogue)
-                                   for c in candidates(M, N, K, kind, sms)))
-        cands = [c for c in cands if fits(c, kind, x_bytes)] or cands
+        cands = runnable_candidates(M, N, K, kind, sms, heavy_epilogue, x_bytes)
         tune = (
             run is not None
             and os.environ.get("QFUSE_AUTOTUNE", "1") != "0"

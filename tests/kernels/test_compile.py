@@ -48,16 +48,20 @@ def qgemm_pointers(qdtype: str, x: str, out: str, acc: str) -> dict[str, str]:
 
 
 VARIANTS = [
-    # (weight, x, out, X_QUANTIZED, X_ROW_SCALE, OUT_Q, SPLIT_K, ACT, blocks, warps, stages)
-    ("*i8", "*bf16", "*bf16", False, False, 0, 1, "gelu", (128, 256, 128), 8, 3),
-    ("*i8", "*i8", "*i8", True, False, 1, 4, "relu", (16, 64, 256), 4, 4),
-    ("*fp8e4nv", "*bf16", "*fp8e4nv", False, False, 2, 1, "silu", (128, 128, 128), 8, 4),
-    ("*fp8e4nv", "*fp8e4nv", "*fp16", True, True, 0, 2, "gelu_tanh", (64, 128, 128), 4, 4),
+    # (weight, x, out, X_QUANTIZED, X_ROW_SCALE, OUT_Q, SPLIT_K, ACT, blocks, warps, stages,
+    #  persistent)
+    ("*i8", "*bf16", "*bf16", False, False, 0, 1, "gelu", (128, 256, 128), 8, 3, False),
+    ("*i8", "*i8", "*i8", True, False, 1, 4, "relu", (16, 64, 256), 4, 4, False),
+    ("*fp8e4nv", "*bf16", "*fp8e4nv", False, False, 2, 1, "silu", (128, 128, 128), 8, 4, False),
+    ("*fp8e4nv", "*fp8e4nv", "*fp16", True, True, 0, 2, "gelu_tanh", (64, 128, 128), 4, 4, False),
+    # the persistent kernel (flattened tile loop) with int8 and fp8 hand-offs
+    ("*i8", "*i8", "*bf16", True, False, 0, 1, "none", (128, 128, 128), 8, 4, True),
+    ("*fp8e4nv", "*fp8e4nv", "*fp8e4nv", True, False, 2, 1, "gelu", (128, 128, 64), 4, 4, True),
 ]
 
 
 def compile_qlinear(variant) -> dict:
-    w, x, out, xq, rows, out_q, split, act, (bm, bn, bk), warps, stages = variant
+    w, x, out, xq, rows, out_q, split, act, (bm, bn, bk), warps, stages, persistent = variant
     acc = "*fp32" if "fp8" in w else "*i32"
     constexprs = dict(
         FP8="fp8" in w, X_QUANTIZED=xq, X_INV_VEC=not xq and "fp8" in w, X_ROW_SCALE=rows,
@@ -67,7 +71,8 @@ def compile_qlinear(variant) -> dict:
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
         EPI_SPLIT=2 if act == "gelu" else 1,
     )
-    kernel = compile_sm90(qgemm._qlinear_kernel, qgemm_pointers(w, x, out, acc), constexprs,
+    fn = qgemm._qlinear_persistent_kernel if persistent else qgemm._qlinear_kernel
+    kernel = compile_sm90(fn, qgemm_pointers(w, x, out, acc), constexprs,
                           num_warps=warps, num_stages=stages)
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "bm": bm,

@@ -144,10 +144,14 @@ SCHEDULES = [
     GemmConfig(16, 64, 64, split_k=4, num_stages=2),  # a split with no K tiles at all
     GemmConfig(32, 32, 32, group_m=2, prequantize=True, num_stages=2),
     GemmConfig(32, 64, 32, epi_split=2, num_stages=2),  # epilogue in two column halves
+    # persistent: 3 programs (the interpreter's count) walk 6 tiles, rows/columns past the edge
+    GemmConfig(16, 32, 64, group_m=2, num_stages=2, persistent=True),
+    GemmConfig(32, 64, 32, epi_split=2, num_stages=2, persistent=True),
 ]
 
 
-@pytest.mark.parametrize("cfg", SCHEDULES, ids=["split3", "split4_empty", "prequant", "epi2"])
+@pytest.mark.parametrize("cfg", SCHEDULES, ids=["split3", "split4_empty", "prequant", "epi2",
+                                                "persistent", "persistent_epi2"])
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
 def test_schedules(device, cfg, qdtype):
     # M over two row blocks, N over the column block, K a few blocks with a ragged tail.
