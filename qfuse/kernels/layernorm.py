@@ -83,15 +83,16 @@ def rows_per_program(D: int) -> int:
 
 
 def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted,
-                rms=False):
+                rms=False, schedule=None):
     """Grid, arguments (by name, in the kernel's order: the 7 pointers and M first), launch
-    options and the outputs ``(y, q)`` of one launch over 2-D ``x`` [M, D]."""
+    options and the outputs ``(y, q)`` of one launch over 2-D ``x`` [M, D]. ``schedule``
+    ``(rows per program, warps)`` overrides the default (benchmarks)."""
     M, D = x.shape
     y = torch.empty((M, D) if write_y else (0,), device=x.device, dtype=x.dtype)
     q = torch.empty((M, D), device=x.device, dtype=qdtype)
     mant, emin = _GRIDS.get(x.dtype, (0, 0))  # integer rounding: exact on GPU and interpreter
     dummy = inv_scale
-    block_m = rows_per_program(D)
+    block_m, warps = schedule or (rows_per_program(D), 4)
     args = dict(
         x_ptr=x, w_ptr=weight if weight is not None else dummy,
         b_ptr=bias if bias is not None else dummy, inv_scale_ptr=inv_scale,
@@ -103,16 +104,16 @@ def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, in
         EXACT=interpreted, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(D),
         RMS=rms, H_MANT=mant if rms else 0, H_EMIN=emin if rms else 0,
     )
-    return (-(-M // block_m),), args, dict(num_warps=4), y, q
+    return (-(-M // block_m),), args, dict(num_warps=warps), y, q
 
 
 def layer_norm_quant(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted,
-                     wrap=None, rms=False):
+                     wrap=None, rms=False, schedule=None):
     """LayerNorm (``rms``: RMSNorm) over the last dim of 2-D ``x`` [M, D] and its quantization:
     ``(y, q)``, ``y`` empty when ``write_y`` is False. ``wrap``: ``torch.library.wrap_triton``
-    when traced."""
+    when traced. ``schedule``: see ``launch_args``."""
     grid, args, options, y, q = launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype,
-                                            write_y, interpreted, rms)
+                                            write_y, interpreted, rms, schedule)
     kernel = wrap(_ln_quant_kernel) if wrap is not None else _ln_quant_kernel
     kernel[grid](**args, **options)
     return y, q

@@ -123,20 +123,26 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     # their K loop is 3 iterations deep; measured on the H200, qfuse's GEMMs in MiniLM 32x128
     # took 480 us against cuBLAS bf16's 275 with only those. Smaller tiles fill the GPU.
     if N * K <= 4096 * 4096:
-        for bm, bn, bk, warps, stages in ((128, 128, 64, 4, 4), (64, 128, 128, 4, 4),
-                                          (128, 64, 128, 4, 4), (64, 64, 128, 4, 4)):
+        # Timed by GPU time on the H200 (bench/results/encoder_gemms_h200.json), 128x128x64 on
+        # one warpgroup won 11 of BERT-base's 16 (layer, dtype) cases at M=4096: its 64 KB of
+        # stages and 128 registers a thread leave room for two programs per SM, so one's
+        # epilogue overlaps the other's MMAs.
+        for bm, bn, bk, warps, stages, epi in ((128, 128, 64, 4, 4, 1), (128, 128, 64, 4, 3, 1),
+                                               (128, 128, 64, 4, 4, 2), (64, 128, 128, 4, 4, 1),
+                                               (128, 64, 128, 4, 4, 1), (64, 64, 128, 4, 4, 1)):
             out.append(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
-                                  prequantize=x_float))
-        # Persistent (one program per SM, the next tile's loads overlapping this tile's
-        # epilogue): a 3-6 deep K loop pays a pipeline fill and drain per tile otherwise.
-        for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
-                                          (128, 128, 64, 4, 4)):
-            out.append(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
-                                  prequantize=x_float, persistent=True))
+                                  prequantize=x_float, epi_split=epi))
+        # Persistent (one program per SM walking the tiles): within 10% of the best on fp8 Q/K/V,
+        # behind elsewhere (same file); kept as a candidate where it came closest.
+        out.append(GemmConfig(128, 128, 128, num_warps=8, num_stages=4, prequantize=x_float,
+                              persistent=True))
     if x_float and N <= 4096:
         # The prologue re-quantizes x once per column block: N / BLOCK_N times, few when N is
         # small, against a whole extra pass (and launch) over x for the separate quantize.
-        out += [dataclasses.replace(c, prequantize=False) for c in list(out)]
+        # Timed by GPU time it lost at every encoder shape (BERT's attention output, N=768:
+        # 21.8 us at best against 14.5 with the pass; MiniLM's N=384: 10.2 against 8.7), so only
+        # the two schedules that came closest are kept in the prologue form.
+        out += [dataclasses.replace(c, prequantize=False) for c in out[:3:2]]
     return out
 
 

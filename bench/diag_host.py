@@ -1,0 +1,78 @@
+"""Where a converted encoder's host time goes, eager and compiled (no CUDA graph).
+
+    PYTHONPATH=. python bench/diag_host.py [--model bert-base] [--batch 32]
+
+``bench_models.py`` says a qfuse model is launch-bound in eager and in compile mode (its GPU
+time is a third of its wall time); this prints, for qfuse int8 and fp8 and for bf16, the wall
+time per forward, the launch plans' state (``summary``'s backend column: a layer that fell back
+to Triton's plain launch says why) and the cProfile functions with the most own time over 20
+forwards, so a fix targets a measured cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_models as B  # noqa: E402
+
+import qfuse  # noqa: E402
+
+
+def wall_us(fn, calls: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def profile(name: str, fn, calls: int = 20, top: int = 22) -> None:
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"\n--- {name}: {wall_us(fn):.0f} us per forward (wall); cProfile top {top} "
+          f"by own time over {calls} forwards", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+@torch.no_grad()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bert-base")
+    ap.add_argument("--batch", type=int, default=32)
+    a = ap.parse_args()
+    bf16 = B.build(a.model, torch.bfloat16, "cuda")
+    inp = B.tokens(a.batch, "cuda")
+    profile("bf16 eager", lambda: bf16(**inp))
+    for name, cfg in (("int8", qfuse.QConfig(symmetric=False)),
+                      ("fp8", qfuse.QConfig.fp8_static())):
+        q = B.qfuse_model(bf16, cfg, "cuda")
+        q(**inp)
+        nodes = collections.Counter(n.op for n in q.graph.nodes)
+        print(f"\n=== qfuse {name}: graph nodes {dict(nodes)}")
+        kernels = collections.Counter(r["kernel"] for r in qfuse.summary(q).rows)
+        print("kernels (summary):", dict(kernels))
+        profile(f"qfuse {name} eager", lambda q=q: q(**inp))
+        torch._dynamo.reset()
+        c = torch.compile(q)
+        profile(f"qfuse {name} compile", lambda c=c: c(**inp))
+
+
+if __name__ == "__main__":
+    main()
