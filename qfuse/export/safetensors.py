@@ -44,6 +44,7 @@ from qfuse.export.tensors import (
     to_cpu_unshared,
 )
 from qfuse.fusion.bn_fold import fold_batchnorm
+from qfuse.fusion.eager_calls import tensor_methods
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.fusion.rewrite import fuse_chains, module_paths
@@ -143,6 +144,7 @@ def load(
     modules, fused_names = _build_modules(gm, meta, by_path, tensors, target, path)
     fuse_chains(gm, chains, modules)
     fuse_layernorm_quant(gm)  # as convert did: the readers' saved layouts expect it
+    tensor_methods(gm)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.
