@@ -154,18 +154,22 @@ def gelu_erf(x):
 
 @triton.jit
 def gelu_erf_fast(x):
-    """``gelu_erf``'s formula with the hardware's approximate exp and division and FMAs allowed:
-    ~15 instructions an element against ~40 for libdevice ``erff`` (whose two branches both run
-    when a warp's values straddle them), where the epilogue runs after the MMAs with the tensor
-    cores idle. Abramowitz & Stegun's 1.5e-7 absolute error in erf plus a few ulp of rounding."""
+    """``gelu_erf``'s formula with the hardware's approximate exp and division: ~15
+    instructions an element against ~40 for libdevice ``erff`` (whose two branches both run when
+    a warp's values straddle them), where the epilogue runs after the MMAs with the tensor cores
+    idle. Abramowitz & Stegun's 1.5e-7 absolute error in erf plus a few ulp of rounding.
+
+    Every product that meets an add is an explicit ``tl.fma`` or an explicitly rounded
+    ``mul_rn``: the compiler may not contract anything, so Triton's launch (no FP fusion) and
+    Inductor's (FP fusion on) compute the same bits."""
     z = x * 0.7071067811865476
     az = tl.abs(z)
-    t = 1.0 / (1.0 + 0.3275911 * az)
-    poly = 1.061405429 * t - 1.453152027
-    poly = poly * t + 1.421413741
-    poly = poly * t - 0.284496736
-    poly = poly * t + 0.254829592
-    erfc = poly * t * tl.exp(-(az * az))
+    t = 1.0 / tl.fma(az, 0.3275911, 1.0)
+    poly = tl.fma(t, 1.061405429, -1.453152027)
+    poly = tl.fma(poly, t, 1.421413741)
+    poly = tl.fma(poly, t, -0.284496736)
+    poly = tl.fma(poly, t, 0.254829592)
+    erfc = mul_rn(poly * t, tl.exp(-(az * az)))
     return 0.5 * x * tl.where(z < 0.0, erfc, 2.0 - erfc)
 
 
@@ -204,7 +208,8 @@ def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
             x = gelu_erf(x)
     elif ACT == 3:
         if FAST:
-            x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * (x * x * x)))
+            # fma, not x + c * x^3: no contraction left to the compiler (see gelu_erf_fast)
+            x = x * tl.sigmoid(1.5957691216057308 * tl.fma(0.044715 * (x * x), x, x))
         else:
             x = gelu_tanh(x)
     elif ACT == 4:

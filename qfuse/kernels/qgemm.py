@@ -455,6 +455,7 @@ def qlinear(
     config: GemmConfig | None = None,
     fast_act: bool = False,
     wrap=None,
+    prequantize_fn=None,
 ) -> torch.Tensor:
     """Fused quantized linear on 2-D ``x`` [M, K] and ``weight`` [N, K]; returns [M, N].
 
@@ -466,6 +467,9 @@ def qlinear(
     ``config`` pins a schedule (tests, tuning); otherwise ``tuning.pick_config`` chooses one
     (no autotuning while traced: the tuned table, the cache, or the first candidate).
     ``fast_act``: hardware erf/exp GELU/SiLU (``common.activation``). ``wrap``: see ``launch``.
+    ``prequantize_fn(x)``: where a schedule quantizes a static float x in a separate pass, do it
+    with this instead of ``quantize``'s kernel (the traced op passes the reference's torch ops,
+    which Inductor fuses into the kernel that produced x).
     """
     from qfuse.kernels.quantize import quantize
 
@@ -482,7 +486,9 @@ def qlinear(
 
     def run(cfg: GemmConfig):
         xq = x
-        if x_float and cfg.prequantize:
+        if x_float and cfg.prequantize and prequantize_fn is not None:
+            xq = prequantize_fn(x)
+        elif x_float and cfg.prequantize:
             xq, _ = quantize(x, qdtype, x_inv_scale, x_zero_point, INTERPRETED, wrap=wrap)
         return launch(xq, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
                       residual, out_inv_scale, out_zero_point, act, out, cfg, fast_act, wrap)

@@ -56,6 +56,13 @@ def _check(x, weight, x_inv_scale, x_zero_point, x_scale, out_inv_scale, out_dty
         )
 
 
+def _quantize_static(x, qdtype, inv_scale, zero_point):
+    if qdtype == FP8:
+        return reference.quantize_fp8(x.float(), inv_scale)
+    zp = zero_point.float() if zero_point is not None else 0.0
+    return reference.quantize_int8(x.float(), inv_scale, zp)
+
+
 def _impl(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -97,7 +104,13 @@ def _impl(
         from qfuse.kernels.qgemm import qlinear as kernel
 
         wrap = torch.library.wrap_triton if x.device.type == "cuda" and not INTERPRETED else None
-        out = kernel(*args, x_scale=xs2, fast_act=fast_act, wrap=wrap)
+        pre = None
+        if wrap is not None and x_inv_scale is not None and x.dtype not in QUANTIZED_DTYPES:
+            # Traced: a separate static quantize pass as torch ops (the reference's, bit-equal
+            # to the kernel's), which Inductor fuses into the op producing x — in BERT, the
+            # copy that lays SDPA's output out for the attention projection: one kernel less.
+            pre = lambda t: _quantize_static(t, weight.dtype, x_inv_scale, x_zero_point)  # noqa: E731
+        out = kernel(*args, x_scale=xs2, fast_act=fast_act, wrap=wrap, prequantize_fn=pre)
     else:
         out = reference.qlinear(*args, x_scale=xs2)
     return out.reshape(*lead, N)
