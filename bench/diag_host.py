@@ -51,14 +51,35 @@ def profile(name: str, fn, calls: int = 20, top: int = 22) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def first_sync(name: str, fn) -> None:
+    """Where ``fn`` first makes the host wait for the GPU (``set_sync_debug_mode("error")``):
+    a sync inside a forward serializes host and GPU time, under ``do_bench`` too."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        print(f"{name}: no synchronizing call in a forward", flush=True)
+    except RuntimeError as exc:
+        import traceback
+
+        frames = traceback.format_tb(exc.__traceback__)[-6:]
+        print(f"{name}: synchronizes: {exc}\n" + "".join(frames), flush=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bert-base")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="int8 only")
     a = ap.parse_args()
     bf16 = B.build(a.model, torch.bfloat16, "cuda")
     inp = B.tokens(a.batch, "cuda")
+    first_sync("bf16 eager", lambda: bf16(**inp))
     profile("bf16 eager", lambda: bf16(**inp))
     for name, cfg in (("int8", qfuse.QConfig(symmetric=False)),
                       ("fp8", qfuse.QConfig.fp8_static())):
@@ -68,10 +89,14 @@ def main():
         print(f"\n=== qfuse {name}: graph nodes {dict(nodes)}")
         kernels = collections.Counter(r["kernel"] for r in qfuse.summary(q).rows)
         print("kernels (summary):", dict(kernels))
+        first_sync(f"qfuse {name} eager", lambda q=q: q(**inp))
         profile(f"qfuse {name} eager", lambda q=q: q(**inp))
         torch._dynamo.reset()
         c = torch.compile(q)
+        first_sync(f"qfuse {name} compile", lambda c=c: c(**inp))
         profile(f"qfuse {name} compile", lambda c=c: c(**inp))
+        if a.quick:
+            break
 
 
 if __name__ == "__main__":

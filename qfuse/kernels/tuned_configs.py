@@ -152,4 +152,52 @@ _ROWS = {
     "NVIDIA H200|int8-xq|M64|N4096|K4096": (64, 64, 256, 8, 2, 4, 4, False),
 }
 
-TUNED: dict[str, dict] = {key: dict(zip(_FIELDS, row, strict=True)) for key, row in _ROWS.items()}
+# BERT-base's and MiniLM's GEMMs (bench/encoder_gemms.py, timed by GPU time, with the epilogue
+# each layer has in the converted model): M=128 (batch 1 x 128 tokens) measured at commit 4b2a37b,
+# M=4096 (batch 32) at c4ef480, one H200; per-row timings in bench/results/
+# encoder_gemms_h200_m128.json and encoder_gemms_h200.json.
+# Two more fields: epi_split, persistent.
+_ROWS.update({
+    "NVIDIA H200|fp8-xf|M128|N384|K384": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
+    "NVIDIA H200|fp8-xf|M128|N768|K768": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
+    "NVIDIA H200|fp8-xf|M4096|N384|K384": (64, 64, 128, 8, 1, 4, 4, True, 1, False),
+    "NVIDIA H200|fp8-xf|M4096|N768|K768": (128, 128, 64, 8, 1, 4, 3, True, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N1152|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N1536|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N2304|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N3072|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N384|K1536": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N768|K3072": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N1152|K384": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N1536|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N2304|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N3072|K768": (128, 128, 64, 8, 1, 4, 4, False, 2, False),
+    "NVIDIA H200|fp8-xq|M4096|N384|K1536": (64, 64, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N768|K3072": (128, 256, 128, 8, 1, 8, 3, False, 1, False),
+    "NVIDIA H200|int8-xf|M128|N384|K384": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
+    "NVIDIA H200|int8-xf|M128|N768|K768": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
+    "NVIDIA H200|int8-xf|M4096|N384|K384": (64, 64, 128, 8, 1, 4, 4, True, 1, False),
+    "NVIDIA H200|int8-xf|M4096|N768|K768": (128, 128, 64, 8, 1, 4, 3, True, 1, False),
+    "NVIDIA H200|int8-xq|M128|N1152|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N1536|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N2304|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N3072|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N384|K1536": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N768|K3072": (64, 128, 128, 8, 4, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M4096|N1152|K384": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M4096|N1536|K384": (128, 128, 64, 8, 1, 4, 4, False, 2, False),
+    "NVIDIA H200|int8-xq|M4096|N2304|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M4096|N3072|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M4096|N384|K1536": (64, 64, 128, 8, 1, 4, 4, False, 1, False),
+    "NVIDIA H200|int8-xq|M4096|N768|K3072": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+})
+
+_DEFAULTS = (1, False)  # epi_split, persistent for the 8-field rows
+
+
+def _row(row: tuple) -> dict:
+    row = row + _DEFAULTS[len(row) - 8:]
+    return dict(zip(_FIELDS + ("epi_split", "persistent"), row, strict=True))
+
+
+TUNED: dict[str, dict] = {key: _row(row) for key, row in _ROWS.items()}
