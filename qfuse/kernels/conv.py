@@ -105,7 +105,7 @@ def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
 def _qconv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
     out_inv_scale_ptr, out_zp_ptr, out_ptr,
-    M, H, W, OH, OW, CG_IN, CG_OUT,
+    M, H, W, OH, OW, CG_IN, CG_OUT, K_W,
     sxn, sxh, sxw, sxc, swo, swh, sww, swc, stride_rm, stride_om,
     SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
@@ -182,7 +182,8 @@ def _qconv_kernel(
             a = _load_a(a_ptrs, valid[:, None] & mask_k[None, :], x_inv_scale, x_zp, x_zp_q,
                         FP8, X_QUANTIZED, HAS_X_ZP, EXACT)
             b_ptrs = w_cols + (kh * swh + kw * sww) + (c * swc)[:, None]
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            # K_W: the weight's channels (< CG_IN for an im2col buffer's padded row)
+            b = tl.load(b_ptrs, mask=(c < K_W)[:, None] & mask_n[None, :], other=0.0)
             acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
 
     _epilogue(
@@ -333,6 +334,71 @@ def prequantize(x, qdtype, inv_scale, zero_point, launch):
     return q
 
 
+@triton.jit(do_not_specialize=["M"])
+def _im2col_kernel(x_ptr, inv_scale_ptr, zp_ptr, cols_ptr, M, H, W, OH, OW, C, K, KP,
+                   sxn, sxh, sxw, sxc,
+                   SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                   DH: tl.constexpr, DW: tl.constexpr, KW: tl.constexpr,
+                   FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_ZP: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``cols[m, k]``, k = (kh, kw, c): the quantized input patch of output pixel m, the
+    quantized zero (the zero point) at padding taps and past K (weights there are masked)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    batch = (offs_m // OW) // OH
+    c = offs_k % C
+    tap = offs_k // C
+    ih = (oh * SH - PH)[:, None] + ((tap // KW) * DH)[None, :]
+    iw = (ow * SW - PW)[:, None] + ((tap % KW) * DW)[None, :]
+    inside = (mask_m[:, None] & (offs_k < K)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0)
+              & (iw < W))
+    ptrs = x_ptr + (batch.to(tl.int64) * sxn)[:, None] + ih * sxh + iw * sxw + (c * sxc)[None, :]
+    if X_QUANTIZED:
+        q = tl.load(ptrs, mask=inside, other=0.0)
+        if HAS_ZP:
+            q = tl.where(inside, q, tl.load(zp_ptr).to(tl.int8))
+    else:  # quantize(0.0) is the zero point: padding needs no special case
+        x = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        if FP8:
+            q = quantize_fp8(x, tl.load(inv_scale_ptr), EXACT)
+        else:
+            zp = 0.0
+            if HAS_ZP:
+                zp = tl.load(zp_ptr).to(tl.float32)
+            q = quantize_int8(x, tl.load(inv_scale_ptr), zp)
+    out = cols_ptr + (offs_m.to(tl.int64) * KP)[:, None] + offs_k[None, :]
+    tl.store(out, q, mask=mask_m[:, None] & (offs_k < KP)[None, :])
+
+
+def im2col(x, qdtype, kernel, stride, padding, dilation, oh, ow, x_inv_scale, x_zero_point,
+           launch):
+    """The quantized patch matrix ``[N*OH*OW, KP]`` (KP = KH*KW*C rounded up to 16 bytes) of
+    a conv with few input channels (a stem): the implicit GEMM would gather one byte per A
+    element and per tap; a 1x1 GEMM over this buffer reads 16-byte runs. Measured on the H200
+    for the 7x7 stride-2 stem (bench/results/conv_h200.json)."""
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    k = kh * kw * c
+    kp = -(-k // 16) * 16
+    m = n * oh * ow
+    cols = torch.empty((m, kp), device=x.device, dtype=qdtype)
+    block_m, block_k = (32, 32) if INTERPRETED else (64, 64)
+    sx = x.stride()
+    launch(_im2col_kernel)[(triton.cdiv(m, block_m), triton.cdiv(kp, block_k))](
+        x, x_inv_scale if x_inv_scale is not None else cols,
+        x_zero_point if x_zero_point is not None else cols, cols,
+        m, h, w, oh, ow, c, k, kp, sx[0], sx[2], sx[3], sx[1],
+        SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0],
+        DW=dilation[1], KW=kw, FP8=qdtype == FP8, X_QUANTIZED=x.dtype in (torch.int8, FP8),
+        HAS_ZP=x_zero_point is not None, EXACT=INTERPRETED, BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return cols
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The kernel's weight layout: ``[O, I/g, KH, KW]`` stored channels-last (``[O, KH, KW, I]``
     in memory), so the channels of one tap — and for the stem the whole of K — are contiguous.
@@ -366,6 +432,7 @@ def qconv2d(
     config: ConvConfig | None = None,
     launcher=None,
     prequantize_input: bool | None = None,
+    use_im2col: bool | None = None,
 ) -> torch.Tensor:
     """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
     layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
@@ -373,6 +440,8 @@ def qconv2d(
     ``launcher`` wraps each kernel before its launch (``torch.library.wrap_triton`` in the op).
     A float input is quantized in the GEMM's prologue (1x1 convs) or, where each element feeds
     several taps, once in a separate pass (``prequantize_input`` overrides: same numbers).
+    A kxk conv with fewer than 16 input channels per group (a stem) runs as a 1x1 GEMM over a
+    quantized patch buffer (``im2col``; ``use_im2col`` overrides: same numbers).
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
@@ -397,8 +466,10 @@ def qconv2d(
     fp8 = weight.dtype == FP8
     x_quantized = x.dtype in (torch.int8, FP8)
     depthwise = groups == c_in and groups == c_out and cg_in == 1
+    if use_im2col is None:
+        use_im2col = groups == 1 and kh * kw > 1 and cg_in < 16
     if prequantize_input is None:
-        prequantize_input = kh * kw > 1 or depthwise
+        prequantize_input = (kh * kw > 1 or depthwise) and not use_im2col
     if not x_quantized and x.numel() and prequantize_input:
         x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launch)
         x_quantized = True
@@ -437,14 +508,27 @@ def qconv2d(
     wsum = dummy
     if x_zero_point is not None:
         wsum = weight.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
-    cfg = config or pick_config(M, cg_in, cg_out, kh * kw * cg_in, fp8)
-    flat_k = cg_in < cfg.block_k
+    sizes = (M, h, w, oh, ow, cg_in, cg_out, cg_in)
+    strides = (sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], sw[1])
+    k_total = kh * kw * cg_in
+    if use_im2col and groups == 1:
+        # A 1x1 GEMM over the patch buffer: one "pixel" per row, K = KP channels (the weight,
+        # flattened (kh, kw, c) like the buffer, has K_W = KH*KW*C of them).
+        x = im2col(x, weight.dtype, (kh, kw), stride, padding, dilation, oh, ow, x_inv_scale,
+                   x_zero_point, launch)
+        w2 = weight.permute(0, 2, 3, 1).reshape(c_out, -1)  # a view of the packed weight
+        weight = w2
+        sizes = (M, 1, 1, 1, 1, x.shape[1], c_out, w2.shape[1])
+        strides = (x.stride(0), 0, 0, 1, w2.stride(0), 0, 0, w2.stride(1))
+        flags.update(SH=1, SW=1, PH=0, PW=0, DH=1, DW=1, KH=1, KW=1, X_QUANTIZED=True)
+        cg_in = k_total = x.shape[1]
+    cfg = config or pick_config(M, cg_in, cg_out, k_total, fp8)
+    flat_k = cg_in < cfg.block_k and not use_im2col  # im2col rows: padded, one "tap"
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cg_out, cfg.block_n), groups)
     launch(_qconv_kernel)[grid](
         x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
         opt(out_inv_scale), opt(out_zero_point), out,
-        M, h, w, oh, ow, cg_in, cg_out,
-        sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], sw[1], c_out, c_out,
+        *sizes, *strides, c_out, c_out,
         **flags, FLAT_K=flat_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,

@@ -133,6 +133,24 @@ def test_input_quantization_paths_agree(device, name, qdtype, prequantize):
           prequantize_input=prequantize)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [dict(k=7, stride=2, padding=3, c_in=3, hw=(9, 8)), dict(c_in=1, zp=True),
+     dict(c_in=5, x_quantized=True, zp=True, dilation=2, padding=2), dict(c_in=3, n=1, hw=(3, 7))],
+    ids=["stem-7x7-s2", "1-channel-zp", "quantized-in-zp-dilated", "odd-size"],
+)
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("im2col", [True, False], ids=["im2col", "implicit"])
+def test_stem_paths_match_reference(device, spec, qdtype, im2col):
+    """Few input channels: the patch-buffer GEMM (default) and the implicit GEMM's flat-K path
+    both give the reference's numbers (zero point at padding taps and past K included)."""
+    spec = dict(spec)
+    if qdtype == FP8:
+        spec.pop("zp", None)  # fp8 is symmetric
+    check(make_case(device, qdtype=qdtype, out_dtype=FP8 if qdtype == FP8 else torch.int8,
+                    act="relu", **spec), use_im2col=im2col)
+
+
 @pytest.mark.parametrize("act", ["relu", "relu6", "hardswish", "gelu", "gelu_tanh", "silu"])
 def test_activations_bit_exact(device, act):
     check(make_case(device, act=act, k=1, padding=0, out_dtype=torch.float32))
