@@ -46,14 +46,18 @@ _FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 @triton.jit
 def _epilogue(
     acc, offs_m, offs_n, mask_m, mask_n,
-    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr,
     stride_rm, stride_om,
     HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
     POST_ACT: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
     OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Reference order: zero-point correction, scale, bias, act, residual, post-act, requant.
-    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last)."""
+    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last).
+    A quantized residual (``RES_Q``: int8/fp8 handed over by the conv that computed it) is
+    dequantized as ``(r - zp) * scale`` before the add."""
     if HAS_X_ZP:
         wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
         acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
@@ -67,7 +71,12 @@ def _epilogue(
     rows = offs_m.to(tl.int64)
     if HAS_RESIDUAL:
         r_ptrs = res_ptr + rows[:, None] * stride_rm + offs_n[None, :]
-        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if RES_Q:
+            if HAS_RES_ZP:
+                r = r - tl.load(res_zp_ptr).to(tl.float32)
+            r = mul_rn(r, tl.load(res_scale_ptr))
+        y = y + r
     y = activation(y, POST_ACT)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
     if OUT_Q == 1:
@@ -104,14 +113,15 @@ def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
 @triton.jit(do_not_specialize=["M"])
 def _qconv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
     M, H, W, OH, OW, CG_IN, CG_OUT, K_W,
     sxn, sxh, sxw, sxc, swo, swh, sww, swc, stride_rm, stride_om,
     SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     FLAT_K: tl.constexpr,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -188,23 +198,24 @@ def _qconv_kernel(
 
     _epilogue(
         acc, offs_m, n_glob, mask_m, mask_n,
-        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
-        stride_rm, stride_om,
-        HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, POST_ACT, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN,
-        EXACT,
+        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+        out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+        HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
+        OUT_MANT, OUT_EMIN, EXACT,
     )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _dwconv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
     M, H, W, OH, OW, C,
     sxn, sxh, sxw, sxc, swo, swh, sww, stride_rm, stride_om,
     SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -251,10 +262,10 @@ def _dwconv_kernel(
         acc = acc.to(tl.int32)
     _epilogue(
         acc, offs_m, offs_c, mask_m, mask_c,
-        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
-        stride_rm, stride_om,
-        False, HAS_BIAS, ACT, HAS_RESIDUAL, POST_ACT, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN,
-        EXACT,
+        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+        out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+        False, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
+        OUT_MANT, OUT_EMIN, EXACT,
     )
 
 
@@ -433,6 +444,8 @@ def qconv2d(
     launcher=None,
     prequantize_input: bool | None = None,
     use_im2col: bool | None = None,
+    residual_scale: torch.Tensor | None = None,
+    residual_zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
     layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
@@ -483,6 +496,8 @@ def qconv2d(
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
         KH=kh, KW=kw, FP8=fp8, X_QUANTIZED=x_quantized, HAS_X_ZP=x_zero_point is not None,
         HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=residual is not None,
+        RES_Q=residual is not None and residual.dtype in (torch.int8, FP8),
+        HAS_RES_ZP=residual_zero_point is not None,
         POST_ACT=ACTIVATION_CODES[post_act], OUT_Q=out_q,
         HAS_OUT_ZP=out_zero_point is not None, OUT_MANT=grid_bits[0], OUT_EMIN=grid_bits[1],
         EXACT=INTERPRETED,
@@ -496,7 +511,8 @@ def qconv2d(
         grid = (triton.cdiv(M, block_m), triton.cdiv(c_out, block_c))
         launch(_dwconv_kernel)[grid](
             x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
-            opt(out_inv_scale), opt(out_zero_point), out,
+            opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
+            opt(out_zero_point), out,
             M, h, w, oh, ow, c_out,
             sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], c_out, c_out,
             **flags, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=cfg.num_warps,
@@ -527,7 +543,8 @@ def qconv2d(
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cg_out, cfg.block_n), groups)
     launch(_qconv_kernel)[grid](
         x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
-        opt(out_inv_scale), opt(out_zero_point), out,
+        opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale), opt(out_zero_point),
+        out,
         *sizes, *strides, c_out, c_out,
         **flags, FLAT_K=flat_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
