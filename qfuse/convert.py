@@ -19,6 +19,7 @@ from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
+from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.gptq import round_layer
 from qfuse.nn import QConv2d, QLinear
@@ -230,6 +231,7 @@ def convert(
     notes: Mapping[str, str] | None = None,
     output: str = "graph",
     fuse_norms: bool = True,
+    fuse_pools: bool = True,
 ) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -247,7 +249,9 @@ def convert(
     ``notes`` adds a per-layer note to ``qfuse.summary`` (why a layer got its dtype).
     ``fuse_norms`` lets a LayerNorm read by static quantized layers quantize its output for them
     in the same kernel (``fusion.norm_quant``; False keeps ATen's LayerNorm and the readers
-    quantize in their prologue).
+    quantize in their prologue). ``fuse_pools`` lets a conv read only through a max-pool by
+    fused convs requantize for them, the pool then runs on int8/fp8 (``fusion.pool_quant``;
+    False keeps ATen's float max-pool).
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -352,6 +356,17 @@ def convert(
             )
         )
     fuse_chains(gm, state.chains, modules)
+    pooled = fuse_maxpool_quant(gm) if fuse_pools else {}
+    for rec in layers:  # the records were written before the pool pass changed these layers
+        if rec.name in pooled:
+            pool, readers = pooled[rec.name]
+            rec.output = f"{rec.precision} to {', '.join(readers)} through {pool}"
+        for producer, (pool, readers) in pooled.items():
+            if rec.name in readers:
+                rec.input = f"{rec.precision} from {producer} through {pool}"
+            elif f"{rec.name} (residual)" in readers:
+                rec.note = "; ".join(filter(None, [rec.note, f"residual quantized from {producer}"
+                                                  f" through {pool}"]))
     if fuse_norms:
         from_norm = fuse_layernorm_quant(gm)
         for rec in layers:

@@ -285,16 +285,28 @@ SMS = 132  # H100/H200 SXM
 
 
 def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> ConvConfig:
-    """Tile shape from the problem shape (no autotuning on the call path). On the H200 one
-    schedule, 128x64x64 with 4 warps and 4 stages, was fastest or within 5% on ResNet-50's 1x1,
-    3x3 and stride-2 layers for int8 and fp8 (bench/tune_conv.py); when it would leave SMs idle
-    (few pixels: late layers at small batch) smaller tiles give more programs."""
+    """Tile shape from the problem shape (no autotuning on the call path). Measured on the H200
+    by GPU time (CUDA-graph replays, ``bench/tune_conv.py``, int8, ResNet-50 layers at batch
+    32; ``bench/results/tune_conv_h200.txt``):
+    - 128x64x64, 4 warps, 4 stages: fastest on the large-M layers (3x3 56x56: 22.1 us, 1x1
+      256->64: 21.5, 3x3 stride 2: 16.6, the stem's patch GEMM: 263).
+    - kxk convs with few pixels (M <= 8192: 14x14 and 7x7 maps) and K >= 1152: 64x64x128,
+      3 stages (3x3 512ch 7x7: 21.3 against 33.3 us; 256ch 14x14: 15.9 against 20.3).
+    - 1x1 convs that widen to >= 256 channels: 256x128x64, 8 warps (64->256 at 56x56: 41.3
+      against 51.1 us; 512->2048 at 7x7: 16.9 against 22.0).
+    Where 128x64 tiles would leave SMs idle and K is short, smaller tiles give more programs;
+    with a long K (2048->512 at 7x7) the bigger tiles stay faster (26.5 against 29.8 us)."""
     if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
         return ConvConfig(32, 32, 32, 4, 1)
+    taps = max(k_total // max(cg_in, 1), 1)
+    if taps > 1 and M <= 8192 and k_total >= 1152 and cg_out >= 64:
+        return ConvConfig(64, 64, 128, 4, 3)
+    if taps == 1 and cg_out >= 256 and 64 <= cg_in <= 512 and M >= 1024:
+        return ConvConfig(256, 128, 64, 8, 3)
     block_n = 64 if cg_out > 32 else 32 if cg_out > 16 else 16
     block_k = 64 if k_total >= 64 else 32
     block_m = 128
-    if -(-M // block_m) * -(-cg_out // block_n) < SMS:
+    if -(-M // block_m) * -(-cg_out // block_n) < SMS and k_total < 1024:
         block_m, block_n = 64, min(block_n, 32)
     if cg_in < block_k:  # stem: K spans taps, each A element is a gather
         block_m = 64
@@ -302,14 +314,14 @@ def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> Con
 
 
 def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
-    """Depthwise tiles: ``block_n`` is the channel block (16-byte int8 runs per pixel at 16+).
-    On the H200 a 64-pixel tile with 25 unrolled taps ran 15x slower for int8 (5x5, N=32: 175
-    against 12 us for fp8; 32-pixel tiles ran it in 7 us at N=8), so 5x5 and 7x7 use 32."""
+    """Depthwise tiles: 1024 outputs per 4-warp program (8 per thread). The taps are unrolled
+    and each holds its loaded tile, so bigger tiles run out of registers: on the H200 (GPU
+    time, int8, N=32) a 5x5 96-channel 14x14 layer took 10.2 us in 32x32 tiles, 29.9 in 32x64,
+    200 in 64x64 (cuDNN bf16: 12.3); a 3x3 16-channel stride-2 one 8.5 us in 64x16 tiles."""
     if INTERPRETED:
         return ConvConfig(32, 32, 0, 4, 1)
-    block_c = 64 if channels >= 64 else 32 if channels >= 32 else 16
-    block_m = 64 if M >= 4096 and taps <= 9 else 32
-    return ConvConfig(block_m, block_c, 0, 4, 1)
+    block_c = 32 if channels >= 32 else 16
+    return ConvConfig(1024 // block_c, block_c, 0, 4, 1)
 
 
 @triton.jit
@@ -399,8 +411,10 @@ def im2col(x, qdtype, kernel, stride, padding, dilation, oh, ow, x_inv_scale, x_
     block_m, block_k = (32, 32) if INTERPRETED else (64, 64)
     sx = x.stride()
     launch(_im2col_kernel)[(triton.cdiv(m, block_m), triton.cdiv(kp, block_k))](
-        x, x_inv_scale if x_inv_scale is not None else cols,
-        x_zero_point if x_zero_point is not None else cols, cols,
+        # absent scalars: x as the (never read) dummy, not cols: a buffer passed both as an
+        # input and as the written output breaks Inductor's mutation analysis (KeyError 'opN')
+        x, x_inv_scale if x_inv_scale is not None else x,
+        x_zero_point if x_zero_point is not None else x, cols,
         m, h, w, oh, ow, c, k, kp, sx[0], sx[2], sx[3], sx[1],
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0],
         DW=dilation[1], KW=kw, FP8=qdtype == FP8, X_QUANTIZED=x.dtype in (torch.int8, FP8),
@@ -482,7 +496,7 @@ def qconv2d(
     if use_im2col is None:
         use_im2col = groups == 1 and kh * kw > 1 and cg_in < 16
     if prequantize_input is None:
-        prequantize_input = (kh * kw > 1 or depthwise) and not use_im2col
+        prequantize_input = kh * kw > 1 or depthwise  # the patch buffer then copies bytes
     if not x_quantized and x.numel() and prequantize_input:
         x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launch)
         x_quantized = True
