@@ -519,8 +519,8 @@ def qconv2d(
     grid_bits = _FLOAT_GRIDS.get(out_dtype, (0, 0)) if INTERPRETED else (0, 0)
     if residual is not None:  # read as [M, C] rows, like the output (row stride C)
         residual = residual.contiguous(memory_format=torch.channels_last)
-    res = residual if residual is not None else out
-    dummy = scale
+    dummy = scale  # absent tensors: never read; never ``out`` (see ``im2col``'s note)
+    res = residual if residual is not None else dummy
     flags = dict(
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
         KH=kh, KW=kw, FP8=fp8, X_QUANTIZED=x_quantized, HAS_X_ZP=x_zero_point is not None,
