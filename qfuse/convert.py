@@ -20,6 +20,7 @@ from qfuse.fusion.eager_calls import tensor_methods
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
+from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.gptq import round_layer
 from qfuse.nn import QConv2d, QLinear
@@ -110,30 +111,41 @@ class _Plan:
             transform.apply(self)
 
 
-def _handoff_readers(chain, readers_of, nodes, observers, plan) -> list[Chain]:
-    """The chains this chain can hand int8 to: they must be the output's only readers (through
-    its observer), take their input unsmoothed or folded, and agree on one input scale."""
+def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
+    """The chains this chain can hand int8 to, as (input readers, residual readers): the input
+    readers read the output through its observer, take their input unsmoothed or folded and
+    agree on one input scale; every other reader must be the residual add of a fused conv chain
+    (it dequantizes the residual in its epilogue with that same scale). Nothing else may read
+    the output, and all of them share this chain's dtype."""
     out = nodes[chain.output]
     obs_name = observers.get(chain.output)
-    if obs_name is None or len(out.users) != 1:
-        return []
-    (obs_node,) = out.users
-    if obs_node.op != "call_module" or obs_node.target != obs_name:
-        return []
+    if obs_name is None:
+        return [], []
+    obs_nodes = [u for u in out.users if u.op == "call_module" and u.target == obs_name]
+    if len(obs_nodes) != 1:
+        return [], []
+    (obs_node,) = obs_nodes
     readers = readers_of.get(chain.output, [])
     if {u.name for u in obs_node.users} != {r.anchor for r in readers}:
-        return []
+        return [], []
+    others = {u.name for u in out.users} - {obs_node.name}
+    res_readers = [r for r in residual_of.get(chain.output, []) if others & set(r.nodes)]
+    claimed = set().union(*(set(r.nodes) for r in res_readers)) if res_readers else set()
+    if not others <= claimed or any(r.kind != "conv2d" for r in res_readers):
+        return [], []
     if any(r.name in plan.prologue for r in readers):
-        return []
-    if any(plan.dtypes[r.name] != plan.dtypes[chain.name] for r in readers):
-        return []  # an int8 layer cannot hand fp8 to an fp8 one (or the reverse)
+        return [], []
+    if any(plan.dtypes[r.name] != plan.dtypes[chain.name] for r in readers + res_readers):
+        return [], []  # an int8 layer cannot hand fp8 to an fp8 one (or the reverse)
     scales = {(float(plan.x_qparams[r.name][0]), int(plan.x_qparams[r.name][1])) for r in readers}
-    return readers if len(scales) == 1 else []
+    return (readers, res_readers) if len(scales) == 1 else ([], [])
 
 
-def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_dtype):
+def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_dtype,
+           residual_qparams=None):
     scale, zp = plan.x_qparams[chain.name]
     out_scale, out_zp = out_qparams if out_qparams else (None, None)
+    res_scale, res_zp = residual_qparams if residual_qparams else (None, None)
     prologue = plan.prologue.get(chain.name)
     dtype = plan.dtypes[chain.name]
     fp8 = dtype == torch.float8_e4m3fn
@@ -146,6 +158,7 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
         # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
         to_fp8 = 127.5 / 448.0
         scale, out_scale = scale * to_fp8, out_scale * to_fp8 if out_scale is not None else None
+        res_scale, res_zp = (res_scale * to_fp8 if res_scale is not None else None), None
         prologue = prologue / to_fp8 if prologue is not None else None
         out_dtype = torch.float8_e4m3fn if out_dtype == torch.int8 else out_dtype
     if config.is_dynamic:
@@ -175,7 +188,7 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     else:
         module = QConv2d.from_float(
             weight, bias, **chain.conv, dtype=dtype, post_activation=chain.post_activation,
-            **common,
+            residual_scale=res_scale, residual_zero_point=res_zp, **common,
         )
     if prologue is not None:
         module.x_inv_scale = prologue.to(module.weight.device)
@@ -185,7 +198,8 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
 QUANT_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
 
 
-def _record(chain: Chain, module, path: str, producer, readers, notes) -> LayerRecord:
+def _record(chain: Chain, module, path: str, producer, readers, notes,
+            res_readers=()) -> LayerRecord:
     """What summary and save report for a fused layer, read off the module actually built."""
     qname = QUANT_NAMES[module.weight.dtype]
     if module.input_quantized:
@@ -195,7 +209,8 @@ def _record(chain: Chain, module, path: str, producer, readers, notes) -> LayerR
     else:
         source = f"float → {qname} in prologue"
     if module.out_dtype in QUANT_NAMES:
-        sink = f"{QUANT_NAMES[module.out_dtype]} to {', '.join(r.name for r in readers)}"
+        names = [r.name for r in readers] + [f"{r.name} (residual)" for r in res_readers]
+        sink = f"{QUANT_NAMES[module.out_dtype]} to {', '.join(names)}"
     else:
         sink = str(module.out_dtype).replace("torch.", "")
     return LayerRecord(
@@ -217,6 +232,7 @@ def convert(
     notes: Mapping[str, str] | None = None,
     output: str = "graph",
     fuse_norms: bool = True,
+    fuse_pools: bool = True,
 ) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -234,7 +250,9 @@ def convert(
     ``notes`` adds a per-layer note to ``qfuse.summary`` (why a layer got its dtype).
     ``fuse_norms`` lets a LayerNorm read by static quantized layers quantize its output for them
     in the same kernel (``fusion.norm_quant``; False keeps ATen's LayerNorm and the readers
-    quantize in their prologue).
+    quantize in their prologue). ``fuse_pools`` lets a conv read only through a max-pool by
+    fused convs requantize for them, the pool then runs on int8/fp8 (``fusion.pool_quant``;
+    False keeps ATen's float max-pool).
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -291,20 +309,31 @@ def convert(
     remove_observers(gm, set(state.hessians.values()))  # anchors read their observers again
 
     readers_of: dict[str, list[Chain]] = {}
+    residual_of: dict[str, list[Chain]] = {}
     for chain in chains:
         readers_of.setdefault(chain.input, []).append(chain)
-    handoff = {c.name: _handoff_readers(c, readers_of, nodes, observers, plan) for c in chains}
-    producers = {r.name: c.name for c in chains for r in handoff[c.name]}
+        if chain.residual is not None:
+            residual_of.setdefault(chain.residual, []).append(chain)
+    handoff = {
+        c.name: _handoff_readers(c, readers_of, residual_of, nodes, observers, plan)
+        for c in chains
+    }
+    producers = {r.name: c.name for c in chains for r in handoff[c.name][0]}
+    residual_from = {r.name: c.name for c in chains for r in handoff[c.name][1]}
 
     remove_observers(gm, observers.values())  # every anchor reads its real producer again
     modules, layers, paths = {}, [], module_paths(state.chains)
     for chain in chains:
-        readers = handoff[chain.name]
+        readers, res_readers = handoff[chain.name]
         float_dtype = nodes[chain.output].meta["val"].dtype
         out_qparams = plan.x_qparams[readers[0].name] if readers else None
         out_dtype = torch.int8 if readers else float_dtype
+        res_qparams = None
+        if chain.name in residual_from:  # the residual's writer requantized it for its readers
+            res_qparams = plan.x_qparams[handoff[residual_from[chain.name]][0][0].name]
         modules[chain.name] = _build(
-            chain, state.config, plan, out_qparams, chain.name in producers, out_dtype
+            chain, state.config, plan, out_qparams, chain.name in producers, out_dtype,
+            res_qparams,
         )
         layer_notes = []
         if chain.name in state.smoothed:
@@ -314,6 +343,8 @@ def convert(
             layer_notes.append(state.gptq.describe())
         if chain.name in notes:
             layer_notes.append(notes[chain.name])
+        if chain.name in residual_from:
+            layer_notes.append(f"residual quantized from {residual_from[chain.name]}")
         layers.append(
             _record(
                 chain,
@@ -322,9 +353,21 @@ def convert(
                 producers.get(chain.name),
                 readers,
                 layer_notes,
+                res_readers,
             )
         )
     fuse_chains(gm, state.chains, modules)
+    pooled = fuse_maxpool_quant(gm) if fuse_pools else {}
+    for rec in layers:  # the records were written before the pool pass changed these layers
+        if rec.name in pooled:
+            pool, readers = pooled[rec.name]
+            rec.output = f"{rec.precision} to {', '.join(readers)} through {pool}"
+        for producer, (pool, readers) in pooled.items():
+            if rec.name in readers:
+                rec.input = f"{rec.precision} from {producer} through {pool}"
+            elif f"{rec.name} (residual)" in readers:
+                rec.note = "; ".join(filter(None, [rec.note, f"residual quantized from {producer}"
+                                                  f" through {pool}"]))
     if fuse_norms:
         from_norm = fuse_layernorm_quant(gm)
         for rec in layers:

@@ -21,7 +21,9 @@ DEFAULT_MIN_LAYER_SQNR_DB = 20.0  # int8 per-tensor activations: a layer alone i
 # front-end convs add ~1–2% each.
 # ResNet (random weights, BatchNorm re-estimated) at 6.8% end to end through its residual
 # blocks while every layer keeps its SQNR floor (measured when the graph path first converted it).
-MAX_REL_STATIC = {"llama": 0.04, "mistral": 0.04, "wav2vec2": 0.035, "resnet": 0.08}
+# resnet: 0.083 since block outputs go int8 into the next block's residual add too (and the
+# stem's max-pool runs on int8): one more rounding on the skip path, for ~0.1 ms at batch 32
+MAX_REL_STATIC = {"llama": 0.04, "mistral": 0.04, "wav2vec2": 0.035, "resnet": 0.09}
 
 
 def _judge(row: dict, max_rel: float) -> None:

@@ -47,6 +47,7 @@ from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.eager_calls import tensor_methods
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, find_chains
+from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains, module_paths
 from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.state import QFuseState, set_state
@@ -144,6 +145,7 @@ def load(
     modules, fused_names = _build_modules(gm, meta, by_path, tensors, target, path)
     fuse_chains(gm, chains, modules)
     fuse_layernorm_quant(gm)  # as convert did: the readers' saved layouts expect it
+    fuse_maxpool_quant(gm)  # a conv saved with a quantized output pools quantized again
     tensor_methods(gm)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers

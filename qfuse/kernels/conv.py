@@ -46,14 +46,18 @@ _FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 @triton.jit
 def _epilogue(
     acc, offs_m, offs_n, mask_m, mask_n,
-    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr,
     stride_rm, stride_om,
     HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
     POST_ACT: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
     OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Reference order: zero-point correction, scale, bias, act, residual, post-act, requant.
-    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last)."""
+    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last).
+    A quantized residual (``RES_Q``: int8/fp8 handed over by the conv that computed it) is
+    dequantized as ``(r - zp) * scale`` before the add."""
     if HAS_X_ZP:
         wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
         acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
@@ -67,7 +71,12 @@ def _epilogue(
     rows = offs_m.to(tl.int64)
     if HAS_RESIDUAL:
         r_ptrs = res_ptr + rows[:, None] * stride_rm + offs_n[None, :]
-        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if RES_Q:
+            if HAS_RES_ZP:
+                r = r - tl.load(res_zp_ptr).to(tl.float32)
+            r = mul_rn(r, tl.load(res_scale_ptr))
+        y = y + r
     y = activation(y, POST_ACT)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
     if OUT_Q == 1:
@@ -104,14 +113,15 @@ def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
 @triton.jit(do_not_specialize=["M"])
 def _qconv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr,
-    M, H, W, OH, OW, CG_IN, CG_OUT,
+    res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    M, H, W, OH, OW, CG_IN, CG_OUT, K_W,
     sxn, sxh, sxw, sxc, swo, swh, sww, swc, stride_rm, stride_om,
     SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     FLAT_K: tl.constexpr,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -182,28 +192,30 @@ def _qconv_kernel(
             a = _load_a(a_ptrs, valid[:, None] & mask_k[None, :], x_inv_scale, x_zp, x_zp_q,
                         FP8, X_QUANTIZED, HAS_X_ZP, EXACT)
             b_ptrs = w_cols + (kh * swh + kw * sww) + (c * swc)[:, None]
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            # K_W: the weight's channels (< CG_IN for an im2col buffer's padded row)
+            b = tl.load(b_ptrs, mask=(c < K_W)[:, None] & mask_n[None, :], other=0.0)
             acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
 
     _epilogue(
         acc, offs_m, n_glob, mask_m, mask_n,
-        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
-        stride_rm, stride_om,
-        HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, POST_ACT, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN,
-        EXACT,
+        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+        out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+        HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
+        OUT_MANT, OUT_EMIN, EXACT,
     )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _dwconv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
     M, H, W, OH, OW, C,
     sxn, sxh, sxw, sxc, swo, swh, sww, stride_rm, stride_om,
     SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -250,10 +262,10 @@ def _dwconv_kernel(
         acc = acc.to(tl.int32)
     _epilogue(
         acc, offs_m, offs_c, mask_m, mask_c,
-        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
-        stride_rm, stride_om,
-        False, HAS_BIAS, ACT, HAS_RESIDUAL, POST_ACT, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN,
-        EXACT,
+        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+        out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+        False, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
+        OUT_MANT, OUT_EMIN, EXACT,
     )
 
 
@@ -273,16 +285,28 @@ SMS = 132  # H100/H200 SXM
 
 
 def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> ConvConfig:
-    """Tile shape from the problem shape (no autotuning on the call path). On the H200 one
-    schedule, 128x64x64 with 4 warps and 4 stages, was fastest or within 5% on ResNet-50's 1x1,
-    3x3 and stride-2 layers for int8 and fp8 (bench/tune_conv.py); when it would leave SMs idle
-    (few pixels: late layers at small batch) smaller tiles give more programs."""
+    """Tile shape from the problem shape (no autotuning on the call path). Measured on the H200
+    by GPU time (CUDA-graph replays, ``bench/tune_conv.py``, int8, ResNet-50 layers at batch
+    32; ``bench/results/tune_conv_h200.txt``):
+    - 128x64x64, 4 warps, 4 stages: fastest on the large-M layers (3x3 56x56: 22.1 us, 1x1
+      256->64: 21.5, 3x3 stride 2: 16.6, the stem's patch GEMM: 263).
+    - kxk convs with few pixels (M <= 8192: 14x14 and 7x7 maps) and K >= 1152: 64x64x128,
+      3 stages (3x3 512ch 7x7: 21.3 against 33.3 us; 256ch 14x14: 15.9 against 20.3).
+    - 1x1 convs that widen to >= 256 channels: 256x128x64, 8 warps (64->256 at 56x56: 41.3
+      against 51.1 us; 512->2048 at 7x7: 16.9 against 22.0).
+    Where 128x64 tiles would leave SMs idle and K is short, smaller tiles give more programs;
+    with a long K (2048->512 at 7x7) the bigger tiles stay faster (26.5 against 29.8 us)."""
     if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
         return ConvConfig(32, 32, 32, 4, 1)
+    taps = max(k_total // max(cg_in, 1), 1)
+    if taps > 1 and M <= 8192 and k_total >= 1152 and cg_out >= 64:
+        return ConvConfig(64, 64, 128, 4, 3)
+    if taps == 1 and cg_out >= 256 and 64 <= cg_in <= 512 and M >= 1024:
+        return ConvConfig(256, 128, 64, 8, 3)
     block_n = 64 if cg_out > 32 else 32 if cg_out > 16 else 16
     block_k = 64 if k_total >= 64 else 32
     block_m = 128
-    if -(-M // block_m) * -(-cg_out // block_n) < SMS:
+    if -(-M // block_m) * -(-cg_out // block_n) < SMS and k_total < 1024:
         block_m, block_n = 64, min(block_n, 32)
     if cg_in < block_k:  # stem: K spans taps, each A element is a gather
         block_m = 64
@@ -290,14 +314,14 @@ def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> Con
 
 
 def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
-    """Depthwise tiles: ``block_n`` is the channel block (16-byte int8 runs per pixel at 16+).
-    On the H200 a 64-pixel tile with 25 unrolled taps ran 15x slower for int8 (5x5, N=32: 175
-    against 12 us for fp8; 32-pixel tiles ran it in 7 us at N=8), so 5x5 and 7x7 use 32."""
+    """Depthwise tiles: 1024 outputs per 4-warp program (8 per thread). The taps are unrolled
+    and each holds its loaded tile, so bigger tiles run out of registers: on the H200 (GPU
+    time, int8, N=32) a 5x5 96-channel 14x14 layer took 10.2 us in 32x32 tiles, 29.9 in 32x64,
+    200 in 64x64 (cuDNN bf16: 12.3); a 3x3 16-channel stride-2 one 8.5 us in 64x16 tiles."""
     if INTERPRETED:
         return ConvConfig(32, 32, 0, 4, 1)
-    block_c = 64 if channels >= 64 else 32 if channels >= 32 else 16
-    block_m = 64 if M >= 4096 and taps <= 9 else 32
-    return ConvConfig(block_m, block_c, 0, 4, 1)
+    block_c = 32 if channels >= 32 else 16
+    return ConvConfig(1024 // block_c, block_c, 0, 4, 1)
 
 
 @triton.jit
@@ -333,6 +357,88 @@ def prequantize(x, qdtype, inv_scale, zero_point, launch):
     return q
 
 
+@triton.jit(do_not_specialize=["M"])
+def _im2col_kernel(x_ptr, inv_scale_ptr, zp_ptr, cols_ptr, M, H, W, OH, OW, C, K, KP,
+                   sxn, sxh, sxw, sxc,
+                   SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                   DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                   FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_ZP: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK_M: tl.constexpr, RUN: tl.constexpr):
+    """``cols[m, k]``, k = (kh, kw, c): the quantized input patch of output pixel m, the
+    quantized zero (the zero point) at padding taps and past K (weights there are masked).
+    Program (i, kh) copies kernel row kh of BLOCK_M pixels: KW*C values per pixel, contiguous
+    in channels-last memory when the dilation is 1; program (i, KH) fills the columns past K.
+    Per element only a column offset and two bounds checks are 2-D: the gather is ALU-bound."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kh = tl.program_id(1)
+    mask_m = offs_m < M
+    j = tl.arange(0, RUN)
+    run = KW * C
+    zp_q = 0.0
+    if HAS_ZP:
+        zp_q = tl.load(zp_ptr).to(tl.float32)
+    out_rows = cols_ptr + offs_m.to(tl.int64) * KP
+    if kh == KH:  # columns K..KP: any value times a masked weight; the zero point, as padding
+        tail = K + j
+        fill = tl.zeros((BLOCK_M, RUN), dtype=tl.float32) + zp_q
+        tl.store(out_rows[:, None] + tail[None, :], fill.to(cols_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & (tail < KP)[None, :])
+    else:
+        ow = offs_m % OW
+        oh = (offs_m // OW) % OH
+        ih = oh * SH - PH + kh * DH
+        iw0 = ow * SW - PW
+        row_ok = mask_m & (ih >= 0) & (ih < H)
+        base = ((offs_m // OW) // OH).to(tl.int64) * sxn + ih * sxh + iw0 * sxw
+        kw = j // C
+        col = (kw * DW) * sxw + (j % C) * sxc
+        iw = iw0[:, None] + (kw * DW)[None, :]
+        inside = row_ok[:, None] & (j < run)[None, :] & (iw >= 0) & (iw < W)
+        ptrs = x_ptr + base[:, None] + col[None, :]
+        if X_QUANTIZED:
+            q = tl.load(ptrs, mask=inside, other=0.0)
+            if HAS_ZP:
+                q = tl.where(inside, q, zp_q.to(tl.int8))
+        else:  # quantize(0.0) is the zero point: padding needs no special case
+            x = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+            if FP8:
+                q = quantize_fp8(x, tl.load(inv_scale_ptr), EXACT)
+            else:
+                q = quantize_int8(x, tl.load(inv_scale_ptr), zp_q)
+        out = out_rows[:, None] + (kh * run + j)[None, :]
+        tl.store(out, q, mask=mask_m[:, None] & (j < run)[None, :])
+
+
+def im2col(x, qdtype, kernel, stride, padding, dilation, oh, ow, x_inv_scale, x_zero_point,
+           launch):
+    """The quantized patch matrix ``[N*OH*OW, KP]`` (KP = KH*KW*C rounded up to 16 bytes) of
+    a conv with few input channels (a stem): the implicit GEMM would gather one byte per A
+    element and per tap; a 1x1 GEMM over this buffer reads 16-byte runs. Measured on the H200
+    for the 7x7 stride-2 stem (bench/results/conv_h200.json)."""
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    k = kh * kw * c
+    kp = -(-k // 16) * 16
+    m = n * oh * ow
+    cols = torch.empty((m, kp), device=x.device, dtype=qdtype)
+    run = triton.next_power_of_2(max(kw * c, kp - k, 1))
+    block_m = 32 if INTERPRETED else max(4096 // run, 16)
+    sx = x.stride()
+    launch(_im2col_kernel)[(triton.cdiv(m, block_m), kh + 1)](
+        # absent scalars: x as the (never read) dummy, not cols: a buffer passed both as an
+        # input and as the written output breaks Inductor's mutation analysis (KeyError 'opN')
+        x, x_inv_scale if x_inv_scale is not None else x,
+        x_zero_point if x_zero_point is not None else x, cols,
+        m, h, w, oh, ow, c, k, kp, sx[0], sx[2], sx[3], sx[1],
+        SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0],
+        DW=dilation[1], KH=kh, KW=kw, FP8=qdtype == FP8,
+        X_QUANTIZED=x.dtype in (torch.int8, FP8), HAS_ZP=x_zero_point is not None,
+        EXACT=INTERPRETED, BLOCK_M=block_m, RUN=run,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return cols
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The kernel's weight layout: ``[O, I/g, KH, KW]`` stored channels-last (``[O, KH, KW, I]``
     in memory), so the channels of one tap — and for the stem the whole of K — are contiguous.
@@ -366,6 +472,9 @@ def qconv2d(
     config: ConvConfig | None = None,
     launcher=None,
     prequantize_input: bool | None = None,
+    use_im2col: bool | None = None,
+    residual_scale: torch.Tensor | None = None,
+    residual_zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
     layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
@@ -373,6 +482,8 @@ def qconv2d(
     ``launcher`` wraps each kernel before its launch (``torch.library.wrap_triton`` in the op).
     A float input is quantized in the GEMM's prologue (1x1 convs) or, where each element feeds
     several taps, once in a separate pass (``prequantize_input`` overrides: same numbers).
+    A kxk conv with fewer than 16 input channels per group (a stem) runs as a 1x1 GEMM over a
+    quantized patch buffer (``im2col``; ``use_im2col`` overrides: same numbers).
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
@@ -397,8 +508,10 @@ def qconv2d(
     fp8 = weight.dtype == FP8
     x_quantized = x.dtype in (torch.int8, FP8)
     depthwise = groups == c_in and groups == c_out and cg_in == 1
+    if use_im2col is None:
+        use_im2col = groups == 1 and kh * kw > 1 and cg_in < 16
     if prequantize_input is None:
-        prequantize_input = kh * kw > 1 or depthwise
+        prequantize_input = kh * kw > 1 or depthwise  # the patch buffer then copies bytes
     if not x_quantized and x.numel() and prequantize_input:
         x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launch)
         x_quantized = True
@@ -406,12 +519,14 @@ def qconv2d(
     grid_bits = _FLOAT_GRIDS.get(out_dtype, (0, 0)) if INTERPRETED else (0, 0)
     if residual is not None:  # read as [M, C] rows, like the output (row stride C)
         residual = residual.contiguous(memory_format=torch.channels_last)
-    res = residual if residual is not None else out
-    dummy = scale
+    dummy = scale  # absent tensors: never read; never ``out`` (see ``im2col``'s note)
+    res = residual if residual is not None else dummy
     flags = dict(
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
         KH=kh, KW=kw, FP8=fp8, X_QUANTIZED=x_quantized, HAS_X_ZP=x_zero_point is not None,
         HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=residual is not None,
+        RES_Q=residual is not None and residual.dtype in (torch.int8, FP8),
+        HAS_RES_ZP=residual_zero_point is not None,
         POST_ACT=ACTIVATION_CODES[post_act], OUT_Q=out_q,
         HAS_OUT_ZP=out_zero_point is not None, OUT_MANT=grid_bits[0], OUT_EMIN=grid_bits[1],
         EXACT=INTERPRETED,
@@ -425,7 +540,8 @@ def qconv2d(
         grid = (triton.cdiv(M, block_m), triton.cdiv(c_out, block_c))
         launch(_dwconv_kernel)[grid](
             x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
-            opt(out_inv_scale), opt(out_zero_point), out,
+            opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
+            opt(out_zero_point), out,
             M, h, w, oh, ow, c_out,
             sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], c_out, c_out,
             **flags, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=cfg.num_warps,
@@ -437,14 +553,28 @@ def qconv2d(
     wsum = dummy
     if x_zero_point is not None:
         wsum = weight.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
-    cfg = config or pick_config(M, cg_in, cg_out, kh * kw * cg_in, fp8)
-    flat_k = cg_in < cfg.block_k
+    sizes = (M, h, w, oh, ow, cg_in, cg_out, cg_in)
+    strides = (sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], sw[1])
+    k_total = kh * kw * cg_in
+    if use_im2col and groups == 1:
+        # A 1x1 GEMM over the patch buffer: one "pixel" per row, K = KP channels (the weight,
+        # flattened (kh, kw, c) like the buffer, has K_W = KH*KW*C of them).
+        x = im2col(x, weight.dtype, (kh, kw), stride, padding, dilation, oh, ow, x_inv_scale,
+                   x_zero_point, launch)
+        w2 = weight.permute(0, 2, 3, 1).reshape(c_out, -1)  # a view of the packed weight
+        weight = w2
+        sizes = (M, 1, 1, 1, 1, x.shape[1], c_out, w2.shape[1])
+        strides = (x.stride(0), 0, 0, 1, w2.stride(0), 0, 0, w2.stride(1))
+        flags.update(SH=1, SW=1, PH=0, PW=0, DH=1, DW=1, KH=1, KW=1, X_QUANTIZED=True)
+        cg_in = k_total = x.shape[1]
+    cfg = config or pick_config(M, cg_in, cg_out, k_total, fp8)
+    flat_k = cg_in < cfg.block_k and not use_im2col  # im2col rows: padded, one "tap"
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cg_out, cfg.block_n), groups)
     launch(_qconv_kernel)[grid](
         x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
-        opt(out_inv_scale), opt(out_zero_point), out,
-        M, h, w, oh, ow, cg_in, cg_out,
-        sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], sw[1], c_out, c_out,
+        opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale), opt(out_zero_point),
+        out,
+        *sizes, *strides, c_out, c_out,
         **flags, FLAT_K=flat_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,

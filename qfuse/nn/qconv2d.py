@@ -37,6 +37,8 @@ class QConv2d(QuantizedModule):
         "out_scale",
         "out_inv_scale",
         "out_zero_point",
+        "residual_scale",
+        "residual_zero_point",
     )
     LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + (
         "stride",
@@ -61,6 +63,8 @@ class QConv2d(QuantizedModule):
         self.register_buffer("bias", None)
         self._set_qparams("x", 1.0, None)
         self._set_qparams("out", None, None)
+        self.register_buffer("residual_scale", None)  # set when the residual comes int8/fp8
+        self.register_buffer("residual_zero_point", None)
 
     @classmethod
     def from_float(
@@ -83,6 +87,8 @@ class QConv2d(QuantizedModule):
         out_dtype: torch.dtype = torch.float32,
         dtype: torch.dtype = torch.int8,
         weight_scale: torch.Tensor | None = None,
+        residual_scale: torch.Tensor | None = None,
+        residual_zero_point: torch.Tensor | None = None,
     ) -> QConv2d:
         out_c, in_c_per_group, kh, kw = weight.shape
         mod = cls(in_c_per_group * groups, out_c, (kh, kw), groups)
@@ -101,6 +107,11 @@ class QConv2d(QuantizedModule):
         mod.out_dtype = out_dtype
         if out_dtype in (torch.int8, torch.float8_e4m3fn):
             mod._set_qparams("out", out_scale, out_zero_point)
+        if residual_scale is not None:  # the residual arrives quantized with these qparams
+            mod.residual_scale = torch.as_tensor(residual_scale, dtype=torch.float32).reshape(())
+            if residual_zero_point is not None and int(residual_zero_point) != 0:
+                mod.residual_zero_point = torch.as_tensor(
+                    residual_zero_point, dtype=torch.int32).reshape(())
         return mod.to(weight.device)
 
     @property
@@ -137,6 +148,8 @@ class QConv2d(QuantizedModule):
             self.dilation,
             self.groups,
             self.post_activation,
+            self.residual_scale if residual is not None else None,
+            self.residual_zero_point if residual is not None else None,
         )
 
     def extra_repr(self) -> str:

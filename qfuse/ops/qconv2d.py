@@ -54,6 +54,18 @@ def _check(x, weight, x_inv_scale, x_zero_point, out_inv_scale, out_dtype, group
         )
 
 
+def _check_residual(x, weight, residual, residual_scale, residual_zero_point) -> None:
+    if residual is None or residual.dtype not in QUANTIZED_DTYPES:
+        return
+    if residual_scale is None or residual_scale.numel() != 1:
+        raise UnsupportedError(
+            f"qfuse::qconv2d: a {residual.dtype} residual needs residual_scale (one per-tensor "
+            "scale of the layer that wrote it); pass a float residual otherwise."
+        )
+    if residual.dtype == FP8 and residual_zero_point is not None:
+        raise UnsupportedError("qfuse::qconv2d: an fp8 residual is symmetric; no zero point.")
+
+
 def _impl(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -71,24 +83,29 @@ def _impl(
     dilation: list[int],
     groups: int,
     post_activation: str = "none",
+    residual_scale: torch.Tensor | None = None,
+    residual_zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused ``[quantize] -> int8/fp8 conv2d -> scale -> bias -> act -> [+ residual] ->
-    post-act -> [requant]``; output channels-last."""
+    post-act -> [requant]``; output channels-last. An int8/fp8 residual comes with
+    ``residual_scale`` (and ``residual_zero_point``): ``(r - zp) * scale`` is added."""
     _check(x, weight, x_inv_scale, x_zero_point, out_inv_scale, out_dtype, groups)
+    _check_residual(x, weight, residual, residual_scale, residual_zero_point)
     args = (x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale,
             out_zero_point, activation, out_dtype, stride, padding, dilation, groups,
             post_activation)
+    res_q = dict(residual_scale=residual_scale, residual_zero_point=residual_zero_point)
     if x.device.type != "cpu" and resolve_backend(x.device) is Backend.TRITON:
         from qfuse.kernels.conv import qconv2d as kernel
 
         # Traced (compile, export): wrap_triton puts the kernel itself into the graph. Plain
         # eager: a direct launch; the wrapper's dispatch cost ~0.3 ms of host time per call.
-        return kernel(*args, launcher=None if _eager(x) else torch.library.wrap_triton)
+        return kernel(*args, launcher=None if _eager(x) else torch.library.wrap_triton, **res_q)
     if x.device.type == "cpu" and resolve_backend(x.device) is Backend.TRITON:
         from qfuse.kernels.conv import qconv2d as kernel  # interpreter (tests, debugging)
 
-        return kernel(*args)
-    out = reference.qconv2d(*args)
+        return kernel(*args, **res_q)
+    out = reference.qconv2d(*args, **res_q)
     return out.contiguous(memory_format=torch.channels_last)
 
 
@@ -98,7 +115,7 @@ qconv2d = torch.library.triton_op("qfuse::qconv2d", _impl, mutates_args=())
 @qconv2d.register_fake
 def _(x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale,
       out_zero_point, activation, out_dtype, stride, padding, dilation, groups,
-      post_activation="none"):
+      post_activation="none", residual_scale=None, residual_zero_point=None):
     n, _, h, w = x.shape
     kh, kw = weight.shape[2], weight.shape[3]
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1

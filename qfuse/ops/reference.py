@@ -237,13 +237,22 @@ def qconv2d(
     dilation: list[int],
     groups: int,
     post_act: str = "none",
+    residual_scale: torch.Tensor | None = None,
+    residual_zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue; fp8 weights give the
     fp8 conv (float64 sums of exact e4m3 products, rounded once to float32, as ``fp8_matmul``).
 
     The zero point is subtracted before the convolution (exact in float), which is what a
-    zero-padded input of real value 0 needs: padding contributes 0, not -zp * w.
+    zero-padded input of real value 0 needs: padding contributes 0, not -zp * w. An int8/fp8
+    ``residual`` (handed over by the conv that computed it) is ``(r - residual_zero_point) *
+    residual_scale`` in float32 before the add.
     """
+    if residual is not None and residual.dtype in (torch.int8, FP8):
+        r = residual.to(torch.float32)
+        if residual_zero_point is not None:
+            r = r - residual_zero_point.to(torch.float32)
+        residual = r * residual_scale
     if weight.dtype == FP8:
         q = _quantize_input(x, x_inv_scale, None, FP8).double()
         acc = F.conv2d(q, weight.double(), None, stride, padding, dilation, groups).float()

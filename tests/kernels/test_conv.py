@@ -42,6 +42,13 @@ def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, paddin
     # Scales that put the float result around 1, where every activation bends.
     scale = (torch.rand(c_out, generator=g) + 0.5) * (2.0 / (40.0 * 64 * reduction**0.5))
     out_q = out_dtype in (torch.int8, FP8)
+    res = torch.randn(n, c_out, oh, ow, generator=g).to(torch.bfloat16) if residual else None
+    res_q = {}
+    if residual == "quantized":  # handed over int8/fp8 by the conv that wrote it
+        res_zp = torch.tensor(-5, dtype=torch.int32) if zp and qdtype == torch.int8 else None
+        res = reference._quantize_input(res.float(), torch.tensor(20.0), res_zp, qdtype)
+        res = res.contiguous(memory_format=torch.channels_last)
+        res_q = dict(residual_scale=torch.tensor(0.05), residual_zero_point=res_zp)
     args = dict(
         x=x,
         weight=w,
@@ -49,8 +56,7 @@ def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, paddin
         bias=torch.randn(c_out, generator=g) if bias else None,
         x_inv_scale=x_inv,
         x_zero_point=x_zp,
-        residual=torch.randn(n, c_out, oh, ow, generator=g).to(torch.bfloat16) if residual
-        else None,
+        residual=res,
         out_inv_scale=torch.tensor(25.0 if out_dtype == torch.int8 else 100.0) if out_q else None,
         out_zero_point=torch.tensor(-3, dtype=torch.int32) if out_dtype == torch.int8 and zp
         else None,
@@ -61,6 +67,7 @@ def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, paddin
         dilation=[dilation] * 2,
         groups=groups,
         post_act=post_act,
+        **res_q,
     )
     return {k_: v.to(device) if isinstance(v, torch.Tensor) else v for k_, v in args.items()}
 
@@ -103,6 +110,9 @@ VARIANTS = {
     "quantized-in": dict(x_quantized=True),
     "quantized-in-zp-padding": dict(x_quantized=True, zp=True),
     "residual-post-relu": dict(residual=True, post_act="relu", out_dtype=torch.float32),
+    "residual-quantized": dict(residual="quantized", post_act="relu"),
+    "residual-quantized-zp-1x1": dict(residual="quantized", zp=True, k=1, padding=0),
+    "residual-quantized-depthwise": dict(residual="quantized", groups=8, c_out=8, act="relu6"),
     "nchw-input": dict(channels_last=False),
     "bf16-out": dict(out_dtype=torch.bfloat16, act="silu"),
     "no-bias": dict(bias=False, act="relu6"),
@@ -131,6 +141,24 @@ def test_input_quantization_paths_agree(device, name, qdtype, prequantize):
         pytest.skip("fp8 is symmetric: no zero point")
     check(make_case(device, qdtype=qdtype, out_dtype=torch.float32, **spec),
           prequantize_input=prequantize)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [dict(k=7, stride=2, padding=3, c_in=3, hw=(9, 8)), dict(c_in=1, zp=True),
+     dict(c_in=5, x_quantized=True, zp=True, dilation=2, padding=2), dict(c_in=3, n=1, hw=(3, 7))],
+    ids=["stem-7x7-s2", "1-channel-zp", "quantized-in-zp-dilated", "odd-size"],
+)
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("im2col", [True, False], ids=["im2col", "implicit"])
+def test_stem_paths_match_reference(device, spec, qdtype, im2col):
+    """Few input channels: the patch-buffer GEMM (default) and the implicit GEMM's flat-K path
+    both give the reference's numbers (zero point at padding taps and past K included)."""
+    spec = dict(spec)
+    if qdtype == FP8:
+        spec.pop("zp", None)  # fp8 is symmetric
+    check(make_case(device, qdtype=qdtype, out_dtype=FP8 if qdtype == FP8 else torch.int8,
+                    act="relu", **spec), use_im2col=im2col)
 
 
 @pytest.mark.parametrize("act", ["relu", "relu6", "hardswish", "gelu", "gelu_tanh", "silu"])
@@ -187,3 +215,15 @@ def test_gpu_real_shapes(shape, qdtype):
     check(make_case("cuda", qdtype=qdtype, out_dtype=out, act="relu", **shape))
     check(make_case("cuda", qdtype=qdtype, out_dtype=torch.float32, residual=True,
                     post_act="relu", x_quantized=True, **shape))
+
+
+def test_quantized_residual_needs_its_scale():
+    from qfuse.errors import UnsupportedError
+    from qfuse.ops.qconv2d import qconv2d as op
+
+    args = make_case("cpu", residual="quantized")
+    args.pop("residual_scale")
+    args["activation"] = args.pop("act")
+    args["post_activation"] = args.pop("post_act")
+    with pytest.raises(UnsupportedError, match="residual_scale"):
+        op(**args)
