@@ -13,7 +13,7 @@ import os
 import torch
 
 from qfuse.errors import ShapeError, UnsupportedError
-from qfuse.kernels.common import GATED_ACTIVATIONS, out_features
+from qfuse.kernels.common import out_features
 from qfuse.ops import reference
 from qfuse.ops.backend import Backend, resolve_backend
 
