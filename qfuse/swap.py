@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 
 from qfuse.errors import QFuseError
-from qfuse.fusion.patterns import ACTIVATION_NAMES, Chain, Skipped
+from qfuse.fusion.patterns import ACTIVATION_NAMES, GATED, Chain, Skipped
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.qconv1d import QConv1d
 from qfuse.state import QFuseState, set_state
@@ -85,7 +85,7 @@ def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> s
         found = [model.get_submodule(m) if _has(model, m) else None for m in members]
         if all(isinstance(m, nn.Linear) for m in found):
             return "merged"
-        return "not swapped: a merged Q/K/V member is not an nn.Linear of the model"
+        return "not swapped: a merged layer's member is not an nn.Linear of the model"
     try:
         module = model.get_submodule(chain.name)
     except AttributeError:
@@ -241,12 +241,17 @@ def convert_model(
         module = _build(bare, state.config, plan, None, False, float_dtype)
         if slots[chain.name] == "merged":
             start = 0
-            for member in groups[chain.name]:
+            for i, member in enumerate(groups[chain.name]):
                 float_member = model.get_submodule(member)
-                part = module.rows(start, start + float_member.out_features)
-                start += float_member.out_features
-                model.set_submodule(member, _keep_attrs(float_member, part))
                 note = f"split back from the merged layer {chain.name}"
+                if chain.activation in GATED:  # [gate, up] rows interleaved
+                    part = module.rows(i, None, 2)
+                    note += (f" ({ACTIVATION_NAMES[chain.activation]} runs in "
+                             f"{type(model).__name__}.forward; output='graph' fuses it)")
+                else:
+                    part = module.rows(start, start + float_member.out_features)
+                    start += float_member.out_features
+                model.set_submodule(member, _keep_attrs(float_member, part))
                 layers.append(_record(dataclasses.replace(bare, name=member), part, member,
                                       None, [], [note]))
                 _facing(part)
