@@ -16,14 +16,18 @@ reads a device value on the host (CUDA-graph capture forbids it).
 Implementations: bf16; torchao 0.18 int8 weight-only, int8 dynamic and fp8 per-row dynamic;
 qfuse int8 / fp8 with static activation scales (4 random calibration batches) and int8 / fp8
 dynamic, each ``qfuse.convert(..., output="model")``: a ``LlamaForCausalLM`` with ``QLinear``
-layers, so the HF forward and cache are the same for every row. Modes: "eager" (launched from
-Python), "graph" (the eager step captured in a CUDA graph and replayed: no host cost, the same
-kernels) and "compile" (``torch.compile``, default mode, then captured in a CUDA graph: what
-``mode="reduce-overhead"`` does, without a second compilation).
+layers and ``QGatedMLP``s (gate/up one GEMM, SwiGLU in its epilogue), so the HF forward and
+cache are the same for every row; "qfuse_int8_split" is int8 static prepared with
+``merge_siblings=False`` (gate, up and down as separate layers, SwiGLU in float).
+Modes: "eager" (launched from Python), "graph" (the eager step captured in a CUDA graph and
+replayed: no host cost, the same kernels) and "compile" (``torch.compile`` of each decoder
+layer, default mode, then the step captured in a CUDA graph: what ``mode="reduce-overhead"``
+does, without a second compilation).
 
 Every row's logits are checked against bf16 eager (relative error gate, and the share of argmax
 tokens that agree) before it is timed (``do_bench`` median); rows that fail carry ``error``.
-Compiled rows run last, most important first, while ``--budget-s`` lasts; rows left out say so.
+Rows run in ``PLAN`` order, most important first, while ``--budget-s`` lasts; rows left out say
+so.
 Each timed row of batch 1 and prefill gets a ``breakdown`` (GPU microseconds per kernel class:
 quantized GEMM, GEMM, attention, norm, quantize, other) and its top kernels (torch.profiler),
 which explain where a loss comes from.
@@ -63,6 +67,7 @@ QFUSE = {
     "qfuse_fp8": "fp8_static",
     "qfuse_int8_dyn": "int8_dynamic",
     "qfuse_fp8_dyn": "fp8_dynamic",
+    "qfuse_int8_split": "int8_static",  # prepare(merge_siblings=False): no merged gate/up MLP
 }
 TORCHAO = ("torchao_int8wo", "torchao_int8dq", "torchao_fp8")
 IMPLS = ("bf16", *TORCHAO, *QFUSE)
@@ -71,21 +76,20 @@ GATE = {"bf16": 0.05}  # against bf16 eager; every quantized impl: --gate
 STATIC = ("bf16", *TORCHAO, "qfuse_int8", "qfuse_fp8")
 DYNAMIC = ("qfuse_int8_dyn", "qfuse_fp8_dyn")
 # What runs, most important first, while --budget-s lasts: (phase, batch, mode, impls). Eager and
-# graph rows are cheap; each compile row is a full Inductor compile of the model. Dynamic qfuse
-# layers run their first schedule candidate (QFUSE_AUTOTUNE=0): autotuning compiles every
-# candidate, ~20 per M bucket and kind, and the device time is short.
+# graph rows are cheap; a compile row compiles one decoder layer and reuses it (compile_layers).
+# Dynamic qfuse layers run their first schedule candidate (QFUSE_AUTOTUNE=0): autotuning
+# compiles every candidate, ~20 per M bucket and kind, and the device time is short.
 PLAN = (
-    ("decode", 1, "eager", STATIC),
-    ("decode", 1, "graph", STATIC),
+    ("decode", 1, "eager", ("bf16", "torchao_int8wo", "qfuse_int8")),
+    ("decode", 1, "graph", (*STATIC, "qfuse_int8_split")),
     ("decode", 1, "compile", ("bf16", "qfuse_int8", "torchao_int8wo")),
-    ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("prefill", 1, "graph", STATIC),
     ("prefill", 1, "compile", ("bf16", "qfuse_int8")),
-    ("decode", 1, "compile", ("qfuse_fp8", "torchao_fp8", "torchao_int8dq")),
     ("decode", 32, "graph", STATIC),
     ("decode", 1, "graph", DYNAMIC),
-    ("decode", 32, "compile", ("bf16", "qfuse_int8")),
     ("decode", 8, "graph", STATIC),
+    ("decode", 1, "compile", ("qfuse_fp8", "torchao_fp8", "torchao_int8dq")),
+    ("decode", 32, "compile", ("bf16", "qfuse_int8")),
     ("prefill", 1, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8")),
     ("prefill", 1, "graph", DYNAMIC),
     ("decode", 8, "compile", ("bf16", "qfuse_int8")),
@@ -93,7 +97,8 @@ PLAN = (
     ("decode", 32, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8", "torchao_int8wo")),
     ("decode", 8, "compile", ("qfuse_fp8", "torchao_int8wo", "torchao_int8dq", "torchao_fp8")),
     ("decode", 1, "compile", DYNAMIC),
-    ("decode", 1, "eager", DYNAMIC),
+    ("decode", 1, "eager", ("torchao_int8dq", "torchao_fp8", "qfuse_fp8", *DYNAMIC)),
+    ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 32, "eager", ("bf16", "qfuse_int8")),
 )
 
@@ -153,7 +158,8 @@ def qfuse_model(model, impl: str, vocab: int, device: str):
     config = getattr(qfuse.QConfig, QFUSE[impl])()
     g = torch.Generator().manual_seed(10)
     calib = [torch.randint(0, vocab, (2, 64), generator=g).to(device) for _ in range(4)]
-    prepared = qfuse.prepare(model, config, (), example_kwargs={"input_ids": calib[0]})
+    prepared = qfuse.prepare(model, config, (), example_kwargs={"input_ids": calib[0]},
+                             merge_siblings=impl != "qfuse_int8_split")
     with torch.no_grad():
         for ids in calib:
             prepared(input_ids=ids)
@@ -179,7 +185,6 @@ class Step:
         keys = torch.arange(slots, device=device)
         self.mask = (keys[None, :] <= pos[:, None])[None, None].expand(batch, 1, seq, slots)
         self.cache = StaticCache(config=config, max_cache_len=slots)
-        self.lengths: list[torch.Tensor] = []
         self.foreach = True
         self.start_len = torch.tensor(self.start, device=device)
         self.tokens = batch * seq
@@ -190,19 +195,19 @@ class Step:
         return out.logits
 
     def reset(self) -> None:
-        if not self.lengths:  # the cache's layers allocate on their first update
-            self.lengths = [layer.cumulative_length for layer in self.cache.layers
-                            if isinstance(getattr(layer, "cumulative_length", None),
-                                          torch.Tensor)]
-        if not self.lengths:
+        # Read afresh each call: a layer's first update replaces its length tensor (it moves
+        # to the device), so one kept from before would be a stale CPU copy.
+        lengths = [getattr(layer, "cumulative_length", None) for layer in self.cache.layers]
+        lengths = [t for t in lengths if isinstance(t, torch.Tensor)]
+        if not lengths:
             return
-        if self.foreach:
+        if self.foreach and lengths[0].device == self.start_len.device:
             try:
-                torch._foreach_copy_(self.lengths, [self.start_len] * len(self.lengths))
+                torch._foreach_copy_(lengths, [self.start_len] * len(lengths))
                 return
             except RuntimeError:  # no fused copy for these tensors: one copy_ each
                 self.foreach = False
-        for length in self.lengths:
+        for length in lengths:
             length.copy_(self.start_len)
 
     def callable(self, forward):
@@ -417,10 +422,10 @@ def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:
     if mode == "eager":
         run_row(rows, out_path, impl, mode, step, fn, ref, gate)
         return
+    layers = list(model.model.layers)
     if mode == "compile":
         torch._dynamo.reset()
-        compiled = torch.compile(lambda: step.forward(model))
-        fn = step.callable(compiled)
+        compile_layers(layers)
     try:
         fn()  # compiles, autotunes, builds launch plans: none of it may happen in a capture
         replay = graphed(fn) if harness.DEVICE == "cuda" else fn
@@ -428,9 +433,26 @@ def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:
         rows.append(dict(impl=impl, mode=mode, phase=step.phase, batch=step.batch,
                          seq=step.tokens // step.batch, error=harness.error_text(exc)))
         print(rows[-1], flush=True)
-        return
-    run_row(rows, out_path, impl, mode, step, replay, ref, gate,
-            fn if step.batch == 1 else None)
+    else:
+        run_row(rows, out_path, impl, mode, step, replay, ref, gate,
+                fn if step.batch == 1 else None)
+    finally:
+        for layer in layers:  # back to eager for the next rows
+            layer._compiled_call_impl = None
+
+
+def compile_layers(layers) -> None:
+    """``torch.compile`` each decoder layer (regional compilation, PyTorch's recipe for repeated
+    blocks): Inductor compiles one layer's graph and its cache serves the other 21 (they differ
+    only in ``layer_idx``, one Dynamo guard each). The whole model as one graph took ~90 s per
+    shape on the H200 machine. Embedding, final norm and LM head stay eager (inside the graph)."""
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 8 * len(layers)))
+    for layer in layers:
+        layer.compile()
 
 
 if __name__ == "__main__":
