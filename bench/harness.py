@@ -129,10 +129,11 @@ def error_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def write_results(path: str, rows: list[dict]) -> None:
+def write_results(path: str, rows: list[dict], extra: dict | None = None) -> None:
+    """``{device, torch, triton, commit, date, **extra, rows}`` as JSON at ``path``."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**environment(), "rows": rows}, f, indent=1)
+        json.dump({**environment(), **(extra or {}), "rows": rows}, f, indent=1)
 
 
 def add_ratios(rows: list[dict], key: tuple[str, ...]) -> None:

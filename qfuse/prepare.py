@@ -11,10 +11,10 @@ from qfuse.capture import capture
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.bn_fold import fold_batchnorm
+from qfuse.fusion.gated import merge_siblings as merge_sibling_layers
 from qfuse.fusion.gemms import leftover_gemms
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, find_chains
-from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.gptq import GPTQ
 from qfuse.gptq import select as gptq_select
 from qfuse.observers import make_observer
@@ -109,7 +109,9 @@ def prepare(
     MinMax observers, whose statistics the smoothing factors need. ``gptq`` (``qfuse.GPTQ()``)
     also records each layer's input Hessian, and convert rounds the weights with GPTQ.
     ``merge_siblings`` merges Linears that read one input and end there (Q, K, V) into one layer
-    over concatenated weights, named after its members (``fusion.siblings``).
+    over concatenated weights, named after its members (``fusion.siblings``), and the gate and
+    up projections of a gated MLP (``act(gate(x)) * up(x)``, SwiGLU / GeGLU) into one layer with
+    a gated epilogue (``fusion.gated``).
 
     Example:
         >>> import torch, qfuse
@@ -132,7 +134,7 @@ def prepare(
     check_eval_mode(model)
     gm = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     folded = fold_batchnorm(gm)
-    merged = merge_sibling_linears(gm) if merge_siblings else []
+    merged = merge_sibling_layers(gm) if merge_siblings else []
     chains, skipped = find_chains(gm)
     skipped += leftover_gemms(gm)
     check_layer_globs(layer_configs, chains, "layer_configs")

@@ -22,8 +22,9 @@ import torch
 from torch import fx, nn
 
 from qfuse.errors import QFuseError
-from qfuse.fusion.patterns import ACTIVATION_NAMES, Chain, Skipped
+from qfuse.fusion.patterns import ACTIVATION_NAMES, GATED, Chain, Skipped
 from qfuse.nn import QConv2d, QLinear
+from qfuse.nn.gated_mlp import QGatedMLP
 from qfuse.nn.qconv1d import QConv1d
 from qfuse.state import QFuseState, set_state
 
@@ -85,7 +86,7 @@ def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> s
         found = [model.get_submodule(m) if _has(model, m) else None for m in members]
         if all(isinstance(m, nn.Linear) for m in found):
             return "merged"
-        return "not swapped: a merged Q/K/V member is not an nn.Linear of the model"
+        return "not swapped: a merged layer's member is not an nn.Linear of the model"
     try:
         module = model.get_submodule(chain.name)
     except AttributeError:
@@ -175,6 +176,66 @@ def _has(model: nn.Module, path: str) -> bool:
         return False
 
 
+def _in_module(node: fx.Node, path: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(v[0] == path for v in stack.values())
+
+
+def _gated_mlps(prepared: fx.GraphModule, chains: list[Chain], slots: dict) -> dict:
+    """Parent module path -> (gate/up chain, down chain) for each gated MLP whose forward, in the
+    captured graph, is exactly ``down(gated(gate_up(x)))``: nothing else runs inside it, so the
+    module can be swapped whole (``QGatedMLP``) and the gated product stays fused."""
+    found = {}
+    for chain in chains:
+        if chain.activation not in GATED or slots.get(chain.name) != "merged":
+            continue
+        parent = chain.name.rpartition(".")[0]
+        readers = [c for c in chains if c.input == chain.output]
+        if not parent or len(readers) != 1:
+            continue
+        down = readers[0]
+        if (slots.get(down.name) != "linear" or down.activation != "none"
+                or down.name.rpartition(".")[0] != parent):
+            continue
+        inside = {n.name for n in prepared.graph.nodes
+                  if n.op == "call_function" and _in_module(n, parent)}
+        if inside == {*chain.nodes, down.anchor}:
+            found[parent] = (chain, down)
+    return found
+
+
+def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layers):
+    """Put a ``QGatedMLP`` at ``parent``: with static scales of one dtype, the gate/up epilogue
+    quantizes the product for ``down`` (no float round trip between the two GEMMs)."""
+    from qfuse.convert import _build as build
+    from qfuse.convert import _record
+    handoff = (not config.is_dynamic and plan.dtypes[chain.name] == plan.dtypes[down.name]
+               and down.name not in plan.prologue)
+    bare_down = dataclasses.replace(down, residual=None, post_activation="none",
+                                    nodes=[down.anchor])
+    gated = dataclasses.replace(chain, residual=None, post_activation="none")
+    # Copies: save_pretrained refuses tensors shared between modules (down's x_scale).
+    out_qparams = tuple(t.clone() if isinstance(t, torch.Tensor) else t
+                        for t in plan.x_qparams[down.name]) if handoff else None
+    gate_up = build(gated, config, plan, out_qparams, False,
+                    torch.int8 if handoff else float_dtype)
+    down_module = build(bare_down, config, plan, None, handoff, float_dtype)
+    float_mlp = model.get_submodule(parent)
+    mlp = QGatedMLP(gate_up, down_module)
+    for attr, value in vars(float_mlp).items():  # hidden_size, config, ...: what callers read
+        if not attr.startswith("_") and attr not in ("training",) and attr not in vars(mlp):
+            setattr(mlp, attr, value)
+    model.set_submodule(parent, mlp)
+    note = (f"gated MLP {parent} swapped whole ({type(float_mlp).__name__} → QGatedMLP): "
+            f"gate and up as one GEMM, {ACTIVATION_NAMES[chain.activation]} in its epilogue")
+    down_name = f"{parent}.down"
+    layers.append(_record(dataclasses.replace(gated, name=f"{parent}.gate_up"), gate_up,
+                          f"{parent}.gate_up", None,
+                          [dataclasses.replace(down, name=down_name)], [note]))
+    layers.append(_record(bare_down, down_module, down_name, f"{parent}.gate_up", [],
+                          [f"{down.name} inside the swapped {parent}"]))
+
+
 def convert_model(
     prepared: fx.GraphModule,
     state: QFuseState,
@@ -234,19 +295,33 @@ def convert_model(
     plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians)
     nodes = {n.name: n for n in prepared.graph.nodes}
     layers = []
+    mlps = _gated_mlps(prepared, swapped, slots)
+    whole = {c.name: parent for parent, pair in mlps.items() for c in pair}
     for chain in swapped:
+        if chain.name in whole:
+            parent = whole[chain.name]
+            if mlps[parent][0] is chain:
+                float_dtype = nodes[chain.anchor].meta["val"].dtype
+                _swap_gated_mlp(model, parent, chain, mlps[parent][1], plan, state.config,
+                                float_dtype, layers)
+            continue
         bare = dataclasses.replace(chain, activation="none", residual=None, post_activation="none",
                                    nodes=[chain.anchor])
         float_dtype = nodes[chain.anchor].meta["val"].dtype
         module = _build(bare, state.config, plan, None, False, float_dtype)
         if slots[chain.name] == "merged":
             start = 0
-            for member in groups[chain.name]:
+            for i, member in enumerate(groups[chain.name]):
                 float_member = model.get_submodule(member)
-                part = module.rows(start, start + float_member.out_features)
-                start += float_member.out_features
-                model.set_submodule(member, _keep_attrs(float_member, part))
                 note = f"split back from the merged layer {chain.name}"
+                if chain.activation in GATED:  # [gate, up] rows interleaved
+                    part = module.rows(i, None, 2)
+                    note += (f" ({ACTIVATION_NAMES[chain.activation]} runs in "
+                             f"{type(model).__name__}.forward; output='graph' fuses it)")
+                else:
+                    part = module.rows(start, start + float_member.out_features)
+                    start += float_member.out_features
+                model.set_submodule(member, _keep_attrs(float_member, part))
                 layers.append(_record(dataclasses.replace(bare, name=member), part, member,
                                       None, [], [note]))
                 _facing(part)

@@ -227,8 +227,16 @@ def layer_sqnr(float_model, qmodel, inputs: dict) -> dict[str, float]:
     seen: dict[str, tuple] = {}
     hooks = []
     rows = [r for r in qfuse.summary(qmodel).rows if r["precision"] != "float"]
+    paths = set()
     for row in rows:
         path = row["name"][: -len(".conv")] if row["name"].endswith(".conv") else row["name"]
+        try:
+            float_model.get_submodule(path)
+        except AttributeError:  # a layer of a module swapped whole (QGatedMLP): judge the module
+            path = path.rpartition(".")[0]
+        if path in paths:
+            continue
+        paths.add(path)
         bn = re.search(r"BatchNorm (\S+) folded", row["note"] or "")
         out_path = bn.group(1) if bn else path
 

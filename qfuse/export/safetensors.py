@@ -45,11 +45,11 @@ from qfuse.export.tensors import (
 )
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.eager_calls import tensor_methods
+from qfuse.fusion.gated import merge_siblings
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains, module_paths
-from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.state import QFuseState, set_state
 from qfuse.summary import summary
 
@@ -162,7 +162,7 @@ def _merge_as_saved(gm: fx.GraphModule, meta: dict, path: str) -> list[list[str]
     saved = meta.get("merged") or []
     if not saved:
         return []
-    merged = merge_sibling_linears(gm)
+    merged = merge_siblings(gm)
     if sorted(map(sorted, merged)) != sorted(map(sorted, saved)):
         raise FormatError(
             f"{path}: the model merges sibling Linears {merged}, the file {saved}; load it into "

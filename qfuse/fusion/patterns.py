@@ -29,7 +29,11 @@ ACTIVATION_NAMES = {
     "silu": "SiLU",
     "relu6": "ReLU6",
     "hardswish": "Hardswish",
+    "swiglu": "SwiGLU",
+    "geglu": "GeGLU",
+    "geglu_tanh": "GeGLU(tanh)",
 }
+GATED = ("swiglu", "geglu", "geglu_tanh")  # act(gate) * up of a merged gate/up Linear
 # Activations only the conv kernel implements so far; a Linear chain stops before them.
 CONV_ONLY_ACTIVATIONS = ("relu6", "hardswish")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,6 +43,8 @@ def activation_of(node: fx.Node) -> str | None:
     """The fusible activation ``node`` computes on its first argument, or None."""
     if node.op != "call_function":
         return None
+    if str(node.target) == "qfuse.gated.default":  # a merged gate/up Linear's (fusion.gated)
+        return node.args[1]
     if node.target in (aten.relu.default, aten.relu_.default):
         return "relu"
     if node.target in (aten.silu.default, aten.silu_.default):
@@ -173,6 +179,8 @@ def _why_not(node: fx.Node, kind: str) -> str | None:
 def _fusible_activation(node: fx.Node, kind: str) -> str | None:
     act = activation_of(node)
     if act in CONV_ONLY_ACTIVATIONS and kind != "conv2d":
+        return None
+    if act in GATED and kind != "linear":  # only the GEMM epilogue implements them
         return None
     return act
 

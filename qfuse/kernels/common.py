@@ -25,7 +25,17 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # (torch.nn.GELU()), "gelu_tanh" the tanh form (torch.nn.GELU(approximate="tanh")).
 ACTIVATION_CODES = {
     "none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu6": 5, "hardswish": 6,
+    "swiglu": 7, "geglu": 8, "geglu_tanh": 9,
 }
+# Gated activations of a GEMM whose weight rows interleave gate and up projections
+# [g0, u0, g1, u1, ...]: out[:, j] = act(y[:, 2j]) * y[:, 2j + 1], N / 2 columns. Interleaved,
+# every even-width column tile holds whole pairs. Name -> the activation applied to the gate.
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+
+
+def out_features(rows: int, act: str) -> int:
+    """Columns a GEMM over ``rows`` weight rows writes with activation ``act``."""
+    return rows // 2 if act in GATED_ACTIVATIONS else rows
 
 
 @triton.jit
@@ -247,3 +257,19 @@ def round_to_float_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     subnormal = (tl.abs(x) + magic) - magic
     subnormal = tl.where(x.to(tl.int32, bitcast=True) < 0, subnormal * -1.0, subnormal)
     return tl.where(tl.abs(x) < 2.0**MIN_EXP, subnormal, normal)
+
+
+@triton.jit
+def gated(y, offs_n, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """A gated activation (``ACT`` 7-9, see ``GATED_ACTIVATIONS``) of a tile whose columns
+    ``offs_n`` (even-aligned, contiguous) interleave gate and up values: returns
+    ``act(gate) * up`` [BM, BN / 2] and its output columns ``offs_n[0::2] // 2``."""
+    g, u = tl.split(tl.reshape(y, (y.shape[0], y.shape[1] // 2, 2)))
+    cols, _ = tl.split(tl.reshape(offs_n, (offs_n.shape[0] // 2, 2)))
+    if ACT == 7:
+        g = activation(g, 4, FAST)
+    elif ACT == 8:
+        g = activation(g, 2, FAST)
+    else:
+        g = activation(g, 3, FAST)
+    return mul_rn(g, u), cols // 2

@@ -27,7 +27,9 @@ import triton.language as tl
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     activation,
+    gated,
     mul_rn,
+    out_features,
     quantize_fp8,
     quantize_int8,
     round_to_float_grid,
@@ -73,7 +75,11 @@ def _epilogue(
         y = mul_rn(y, tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None])
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    y = activation(y, ACT, FAST_ACT)
+    if ACT >= 7:  # gated (SwiGLU / GeGLU): N interleaved gate/up columns -> N / 2 outputs
+        y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
+        mask_n = offs_n < N // 2
+    else:
+        y = activation(y, ACT, FAST_ACT)
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RESIDUAL:
         r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
@@ -475,7 +481,7 @@ def qlinear(
 
     M, K = x.shape
     N = weight.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    out = torch.empty((M, out_features(N, act)), device=x.device, dtype=out_dtype)
     if isinstance(M, int) and M == 0:
         return out
     qdtype = weight.dtype
@@ -502,7 +508,7 @@ class _Plan:
     """What the eager hot path needs per layer and M bucket: the schedule and its kernels as
     ``CachedLaunch``es (the quantize pre-pass, if any, and the GEMM)."""
 
-    __slots__ = ("cfg", "quant", "gemm", "N", "K", "qdtype", "out_dtype", "dynamic")
+    __slots__ = ("cfg", "quant", "gemm", "N", "N_out", "K", "qdtype", "out_dtype", "dynamic")
 
     def __call__(self, x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
                  out_inv_scale, out_zero_point):
@@ -520,7 +526,7 @@ class _Plan:
                 self.quant(-(-M // 4), 1, stream, x, x_inv_scale, zp, q, x_inv_scale, M)
             x = q
         cfg = self.cfg
-        out = x.new_empty((M, self.N), dtype=self.out_dtype)
+        out = x.new_empty((M, self.N_out), dtype=self.out_dtype)
         tiles = -(-M // cfg.block_m) * -(-self.N // cfg.block_n)
         ws = locks = scale
         if cfg.split_k > 1:
@@ -577,6 +583,7 @@ def _build_plan(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, r
             return None, why, out
     plan = _Plan()
     plan.cfg, plan.quant, plan.gemm, plan.N, plan.K = cfg, quant, gemm, N, K
+    plan.N_out = out_features(N, act)
     plan.qdtype, plan.out_dtype, plan.dynamic = qdtype, out_dtype, dynamic
     try:
         again = plan(*args[:10])
@@ -609,7 +616,7 @@ def qlinear_eager(cache: dict, x, weight, scale, bias, x_inv_scale, x_zero_point
     plan = cache.get(key)
     if (plan is not None and x.is_contiguous() and x.data_ptr() % 16 == 0
             and (residual is None or (residual.is_contiguous() and residual.data_ptr() % 16 == 0
-                                      and residual.shape == (M, plan.N)))):
+                                      and residual.shape == (M, plan.N_out)))):
         return plan(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
                     out_inv_scale, out_zero_point)
     check(x, weight, x_inv_scale, x_zero_point, None, out_inv_scale, out_dtype)

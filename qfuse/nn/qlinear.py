@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from qfuse.errors import UnsupportedError
+from qfuse.kernels.common import out_features as gemm_columns
 from qfuse.nn.base import QuantizedModule
 from qfuse.ops.qlinear import qlinear_call
 from qfuse.ops.reference import FP8
@@ -95,7 +96,7 @@ class QLinear(QuantizedModule):
             raise UnsupportedError(
                 "QLinear: a dynamic (x_scale=None) layer takes float input and no zero point."
             )
-        mod = cls(weight.shape[1], weight.shape[0])
+        mod = cls(weight.shape[1], gemm_columns(weight.shape[0], activation))
         quantize = quantize_weight_fp8 if dtype == FP8 else quantize_weight
         q, w_scale = quantize(weight, per_channel, weight_scale)
         mod.weight = q
@@ -112,19 +113,21 @@ class QLinear(QuantizedModule):
             mod._set_qparams("out", out_scale, out_zero_point)
         return mod.to(weight.device)
 
-    def rows(self, start: int, end: int) -> QLinear:
-        """The layer of output channels ``start:end`` (a merged Q/K/V layer split back into its
-        members for ``convert(output="model")``): per-channel buffers sliced, the rest copied
-        (no shared storage: ``save_pretrained`` refuses tensors shared between modules)."""
+    def rows(self, start: int, end: int | None, step: int = 1) -> QLinear:
+        """The layer of output channels ``start:end:step`` (a merged Q/K/V layer split back into
+        its members for ``convert(output="model")``; step 2: a merged gate/up layer's
+        interleaved halves): per-channel buffers sliced, the rest copied (no shared storage:
+        ``save_pretrained`` refuses tensors shared between modules)."""
         per_channel = ("weight", "weight_scale", "scale", "bias", "weight_sum")
-        buffers = {k: (v[start:end] if k in per_channel else v).clone()
+        buffers = {k: (v[start:end:step] if k in per_channel else v).clone()
                    for k, v in self._buffers.items() if v is not None}
         mod = QLinear.from_layout(self.layout(), buffers)
         mod._post_load()
         return mod
 
     def _post_load(self) -> None:
-        self.out_features, self.in_features = self.weight.shape
+        rows, self.in_features = self.weight.shape
+        self.out_features = gemm_columns(rows, self.activation)
         self._launch_cache = {}
 
     @property

@@ -13,6 +13,7 @@ import os
 import torch
 
 from qfuse.errors import ShapeError, UnsupportedError
+from qfuse.kernels.common import out_features
 from qfuse.ops import reference
 from qfuse.ops.backend import Backend, resolve_backend
 
@@ -95,7 +96,7 @@ def _impl(
     _check(x, weight, x_inv_scale, x_zero_point, x_scale, out_inv_scale, out_dtype)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    N = weight.shape[0]
+    N = out_features(weight.shape[0], activation)
     res2 = residual.reshape(-1, N) if residual is not None else None
     xs2 = x_scale.reshape(-1) if x_scale is not None else None
     args = (x2, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, res2)
@@ -122,7 +123,8 @@ qlinear = torch.library.triton_op("qfuse::qlinear", _impl, mutates_args=())
 @qlinear.register_fake
 def _(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, residual, out_inv_scale,
       out_zero_point, activation, out_dtype, x_scale=None, fast_act=False):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+    return x.new_empty((*x.shape[:-1], out_features(weight.shape[0], activation)),
+                       dtype=out_dtype)
 
 
 def _eager(x: torch.Tensor) -> bool:
@@ -162,7 +164,7 @@ def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, 
                                  activation, out_dtype, fast_act, _check)
         if x.dim() > 2 and K == weight.shape[1]:
             lead = x.shape[:-1]
-            N = weight.shape[0]
+            N = out_features(weight.shape[0], activation)
             res2 = residual.reshape(-1, N) if residual is not None else None
             out = qlinear_eager(cache, x.reshape(-1, K), weight, scale, bias, x_inv_scale,
                                 x_zero_point, weight_sum, res2, out_inv_scale, out_zero_point,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qfuse.kernels.common import GATED_ACTIVATIONS
 from qfuse.primitives import SCALE_EPS, divide
 
 ROUND_MAGIC = 12582912.0
@@ -159,7 +160,12 @@ def epilogue(
         y = y * row_scale[:, None]
     if bias is not None:
         y = y + bias.reshape(shape)
-    y = ACTIVATIONS[act](y)
+    if act in GATED_ACTIVATIONS:  # interleaved [gate, up] channels -> act(gate) * up
+        pair = channel_dim + 1 if channel_dim >= 0 else channel_dim
+        gate, up = y.unflatten(channel_dim, (-1, 2)).unbind(pair)
+        y = ACTIVATIONS[GATED_ACTIVATIONS[act]](gate) * up
+    else:
+        y = ACTIVATIONS[act](y)
     if residual is not None:
         y = y + residual.to(torch.float32)
     y = ACTIVATIONS[post_act](y)

@@ -1,0 +1,470 @@
+"""LLM decode and prefill on the GPU: qfuse against bf16 and torchao, in one process.
+
+    PYTHONPATH=. python bench/bench_llm.py                  # H200: bench/results/llm_h200.json
+    PYTHONPATH=. python bench/bench_llm.py --tiny --out /tmp/llm.json   # CPU smoke test
+
+Model: a Llama of TinyLlama-1.1B's shape (hidden 2048, intermediate 5632, 22 layers, 32 heads,
+4 KV heads, vocab 32000), random weights, built from ``LlamaConfig`` in bf16 on the GPU with SDPA
+attention. ``--tiny`` builds a 2-layer, 64-wide one on the CPU (the test suite runs it).
+
+Phases: prefill of 1x512 tokens (last-token logits, as ``generate`` asks for) and one greedy
+decode step (argmax fed back) at batch 1, 8 and 32 at position 512 of a ``StaticCache`` of 640
+slots. Every call first sets the cache's length back (one ``_foreach_copy_``), so a step can be
+replayed any number of times; the attention mask is an explicit 4-D boolean mask, so no step
+reads a device value on the host (CUDA-graph capture forbids it).
+
+Implementations: bf16; torchao 0.18 int8 weight-only, int8 dynamic and fp8 per-row dynamic;
+qfuse int8 / fp8 with static activation scales (4 random calibration batches) and int8 / fp8
+dynamic, each ``qfuse.convert(..., output="model")``: a ``LlamaForCausalLM`` with ``QLinear``
+layers and ``QGatedMLP``s (gate/up one GEMM, SwiGLU in its epilogue), so the HF forward and
+cache are the same for every row; "qfuse_int8_split" is int8 static prepared with
+``merge_siblings=False`` (gate, up and down as separate layers, SwiGLU in float).
+Modes: "eager" (launched from Python), "graph" (the eager step captured in a CUDA graph and
+replayed: no host cost, the same kernels) and "compile" (``torch.compile`` of each decoder
+layer, default mode, then the step captured in a CUDA graph: what ``mode="reduce-overhead"``
+does, without a second compilation).
+
+Every row's logits are checked against bf16 eager (relative error gate, and the share of argmax
+tokens that agree) before it is timed (``do_bench`` median); rows that fail carry ``error``.
+Rows run in ``PLAN`` order, most important first, while ``--budget-s`` lasts; rows left out say
+so.
+Each timed row of batch 1 and prefill gets a ``breakdown`` (GPU microseconds per kernel class:
+quantized GEMM, GEMM, attention, norm, quantize, other) and its top kernels (torch.profiler),
+which explain where a loss comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import faulthandler
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from bench_models import graphed  # noqa: E402
+
+import qfuse  # noqa: E402
+
+SHAPES = {
+    # TinyLlama-1.1B (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads).
+    "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                      max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                 max_position_embeddings=256, rms_norm_eps=1e-5),
+}
+PROMPT = {"tinyllama": 512, "tiny": 16}
+SLACK = {"tinyllama": 128, "tiny": 8}  # cache slots after the prompt
+
+QFUSE = {
+    "qfuse_int8": "int8_static",
+    "qfuse_fp8": "fp8_static",
+    "qfuse_int8_dyn": "int8_dynamic",
+    "qfuse_fp8_dyn": "fp8_dynamic",
+    "qfuse_int8_split": "int8_static",  # prepare(merge_siblings=False): no merged gate/up MLP
+}
+TORCHAO = ("torchao_int8wo", "torchao_int8dq", "torchao_fp8")
+IMPLS = ("bf16", *TORCHAO, *QFUSE)
+GATE = {"bf16": 0.05}  # against bf16 eager; every quantized impl: --gate
+# The quantized gate catches broken kernels, not accuracy: on this random-weight 22-layer model
+# the first H200 run measured logits rel. err 0.32 for torchao fp8 per-row dynamic and 0.48 for
+# qfuse int8 static (0.075 for int8 weight-only); unrelated logits of the same norm give ~1.4.
+
+STATIC = ("bf16", *TORCHAO, "qfuse_int8", "qfuse_fp8")
+# torchao int8 dynamic's eager step failed CUDA-graph capture on the H200 ("operation failed due
+# to a previous error during capture") and left the context unusable: it runs compiled only.
+GRAPHABLE = tuple(i for i in STATIC if i != "torchao_int8dq")
+DYNAMIC = ("qfuse_int8_dyn", "qfuse_fp8_dyn")
+# What runs, most important first, while --budget-s lasts: (phase, batch, mode, impls). Eager and
+# graph rows are cheap; a compile row compiles one decoder layer and reuses it (compile_layers).
+# Dynamic qfuse layers run their first schedule candidate (QFUSE_AUTOTUNE=0): autotuning
+# compiles every candidate, ~20 per M bucket and kind, and the device time is short.
+PLAN = (
+    ("decode", 1, "eager", ("bf16", "torchao_int8wo", "qfuse_int8")),
+    ("decode", 1, "graph", (*GRAPHABLE, "qfuse_int8_split")),
+    ("decode", 1, "compile", ("bf16", "qfuse_int8", "torchao_int8wo")),
+    ("prefill", 1, "graph", GRAPHABLE),
+    ("prefill", 1, "compile", ("bf16", "qfuse_int8")),
+    ("decode", 32, "graph", GRAPHABLE),
+    ("decode", 1, "graph", DYNAMIC),
+    ("decode", 8, "graph", GRAPHABLE),
+    ("decode", 1, "compile", ("qfuse_fp8", "torchao_fp8", "torchao_int8dq")),
+    ("decode", 32, "compile", ("bf16", "qfuse_int8")),
+    ("prefill", 1, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8")),
+    ("prefill", 1, "graph", DYNAMIC),
+    ("decode", 8, "compile", ("bf16", "qfuse_int8")),
+    ("decode", 32, "graph", DYNAMIC),
+    ("decode", 32, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8", "torchao_int8wo")),
+    ("decode", 8, "compile", ("qfuse_fp8", "torchao_int8wo", "torchao_int8dq", "torchao_fp8")),
+    ("decode", 1, "compile", DYNAMIC),
+    ("decode", 1, "eager", ("torchao_int8dq", "torchao_fp8", "qfuse_fp8", *DYNAMIC)),
+    ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("decode", 32, "eager", ("bf16", "qfuse_int8")),
+)
+
+# Kernel classes by name, first match wins. Inductor names fused kernels after their ops (a
+# fused RMSNorm has rsqrt in its name); cuBLAS on Hopper names GEMMs nvjet_* / gemv*.
+CLASSES = (
+    ("norm", ("rsqrt", "rms_norm", "rmsnorm", "layer_norm", "_ln_quant")),
+    ("quantized GEMM", ("_qlinear_kernel", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
+                        "fp8_gemm", "int8_gemm")),
+    ("quantize", ("_quantize_kernel", "quant", "amax", "to_fp8")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("GEMM", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "mm_", "_mm", "matmul", "sm90",
+              "tem_fused", "splitk")),
+)
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def build(shape: str, device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def torchao_model(model, impl: str):
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+        quantize_,
+    )
+
+    cfg = {
+        "torchao_int8wo": Int8WeightOnlyConfig,
+        "torchao_int8dq": Int8DynamicActivationInt8WeightConfig,
+        "torchao_fp8": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+    }[impl]()
+    model = copy.deepcopy(model)
+    quantize_(model, cfg)
+    return model
+
+
+def qfuse_model(model, impl: str, vocab: int, device: str):
+    """prepare -> calibrate on 4 random batches -> convert(output="model")."""
+    config = getattr(qfuse.QConfig, QFUSE[impl])()
+    g = torch.Generator().manual_seed(10)
+    calib = [torch.randint(0, vocab, (2, 64), generator=g).to(device) for _ in range(4)]
+    prepared = qfuse.prepare(model, config, (), example_kwargs={"input_ids": calib[0]},
+                             merge_siblings=impl != "qfuse_int8_split")
+    with torch.no_grad():
+        for ids in calib:
+            prepared(input_ids=ids)
+    return qfuse.convert(prepared, output="model")
+
+
+class Step:
+    """One forward of ``model`` over static inputs and a ``StaticCache``, replayable: the cache
+    length is set back to ``start`` first, and (decode) the argmax token is written back into
+    the input, as greedy generation does."""
+
+    def __init__(self, config, phase: str, batch: int, prompt: int, slots: int, device: str):
+        from transformers import StaticCache
+
+        g = torch.Generator().manual_seed(1 + batch)
+        self.phase, self.batch = phase, batch
+        seq = prompt if phase == "prefill" else 1
+        self.start = 0 if phase == "prefill" else prompt
+        self.first_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
+        self.ids = self.first_ids.clone()
+        pos = torch.arange(self.start, self.start + seq, device=device)
+        self.position_ids = pos[None].expand(batch, seq).contiguous()
+        keys = torch.arange(slots, device=device)
+        self.mask = (keys[None, :] <= pos[:, None])[None, None].expand(batch, 1, seq, slots)
+        self.cache = StaticCache(config=config, max_cache_len=slots)
+        self.foreach = True
+        self.start_len = torch.tensor(self.start, device=device)
+        self.tokens = batch * seq
+
+    def forward(self, model):
+        out = model(input_ids=self.ids, position_ids=self.position_ids, attention_mask=self.mask,
+                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits
+
+    def reset(self) -> None:
+        # Read afresh each call: a layer's first update replaces its length tensor (it moves
+        # to the device), so one kept from before would be a stale CPU copy.
+        lengths = [getattr(layer, "cumulative_length", None) for layer in self.cache.layers]
+        lengths = [t for t in lengths if isinstance(t, torch.Tensor)]
+        if not lengths:
+            return
+        if self.foreach and lengths[0].device == self.start_len.device:
+            try:
+                torch._foreach_copy_(lengths, [self.start_len] * len(lengths))
+                return
+            except RuntimeError:  # no fused copy for these tensors: one copy_ each
+                self.foreach = False
+        for length in lengths:
+            length.copy_(self.start_len)
+
+    def callable(self, forward):
+        """``fn()`` running one step through ``forward(model-call)``; returns the logits."""
+
+        def fn():
+            self.reset()
+            logits = forward()
+            if self.phase == "decode":
+                self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            return logits
+
+        return fn
+
+    def check(self, fn) -> torch.Tensor:
+        """Logits of one call from the first tokens (for the comparison with bf16)."""
+        self.ids.copy_(self.first_ids)
+        logits = fn()
+        self.ids.copy_(self.first_ids)
+        return logits[:, -1].double()
+
+
+def median_us(fn) -> float:
+    if harness.DEVICE == "cuda":
+        return harness.median_us(fn)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[2] * 1e6
+
+
+def breakdown(fn, calls: int = 3) -> dict:
+    """GPU microseconds per kernel class and the top kernels, per call (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    classes: dict[str, float] = {}
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        cls = classify(e.name)
+        classes[cls] = classes.get(cls, 0.0) + e.device_time / calls
+        k = kernels.setdefault(e.name[:90], [0.0, 0])
+        k[0] += e.device_time / calls
+        k[1] += 1
+    out = {k: round(v, 1) for k, v in sorted(classes.items())}
+    out["total"] = round(sum(classes.values()), 1)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:8]
+    return {"classes_us": out, "kernels": sum(c for _, c in kernels.values()) // calls,
+            "top": [dict(name=n, us=round(t, 1), n=c // calls) for n, (t, c) in top]}
+
+
+def run_row(rows, out_path, impl, mode, step, fn, ref, gate, profile_fn=None):
+    """Check ``fn`` against ``ref``, time it, and profile ``profile_fn`` (the same kernels
+    launched without the CUDA graph, so that the profiler sees each one)."""
+    row = dict(impl=impl, mode=mode, phase=step.phase, batch=step.batch,
+               seq=step.tokens // step.batch)
+    t0 = time.time()
+    try:
+        logits = step.check(fn)
+        row["max_rel_err"] = harness.rel_err(logits, ref)
+        row["argmax_agree"] = (logits.argmax(-1) == ref.argmax(-1)).double().mean().item()
+        if not row["max_rel_err"] <= gate:
+            row["error"] = f"wrong result: rel err {row['max_rel_err']:.3g} > {gate}"
+        else:
+            row["median_us"] = median_us(fn)
+            row["tokens_per_s"] = step.tokens / (row["median_us"] * 1e-6)
+            if profile_fn is not None and harness.DEVICE == "cuda":
+                row["breakdown"] = breakdown(profile_fn)
+    except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash
+        row["error"] = harness.error_text(exc)
+        if os.environ.get("QFUSE_BENCH_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+    if harness.DEVICE == "cuda":
+        torch.cuda.synchronize()
+    row["wall_s"] = round(time.time() - t0, 1)
+    rows.append(row)
+    short = {k: v for k, v in row.items() if k != "breakdown"}
+    print(short, flush=True)
+    harness.write_results(out_path, rows)  # keep what was measured if a later row dies
+
+
+def add_ratios(rows) -> None:
+    """``x_bf16``: speed over bf16 in the same phase, batch and mode; ``x_bf16_best`` over the
+    fastest bf16 mode; ``x_torchao_best`` over the fastest torchao row of that phase/batch."""
+    for r in rows:
+        if "median_us" not in r:
+            continue
+        same = [b for b in rows if b["phase"] == r["phase"] and b["batch"] == r["batch"]
+                and "median_us" in b]
+        bf16 = {b["mode"]: b["median_us"] for b in same if b["impl"] == "bf16"}
+        if r["mode"] in bf16:
+            r["x_bf16"] = round(bf16[r["mode"]] / r["median_us"], 3)
+        if bf16:
+            r["x_bf16_best"] = round(min(bf16.values()) / r["median_us"], 3)
+        ao = [b["median_us"] for b in same if b["impl"].startswith("torchao")]
+        if ao:
+            r["x_torchao_best"] = round(min(ao) / r["median_us"], 3)
+
+
+def table(rows) -> str:
+    lines = ["| phase | batch | impl | mode | µs | tokens/s | × bf16 same mode | × bf16 best | "
+             "× torchao best | rel err | argmax agree |", "|---" * 11 + "|"]
+    for r in rows:
+        head = f"| {r['phase']} | {r['batch']} | {r['impl']} | {r['mode']} |"
+        if "median_us" not in r:
+            lines.append(f"{head} {r.get('error', '')[:90]} | | | | | | |")
+            continue
+        lines.append(
+            f"{head} {r['median_us']:.0f} | {r['tokens_per_s']:.0f} | {r.get('x_bf16', '')} | "
+            f"{r.get('x_bf16_best', '')} | {r.get('x_torchao_best', '')} | "
+            f"{r['max_rel_err']:.3g} | {r['argmax_agree']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="2-layer model on the CPU (smoke test)")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--modes", default=None, help="default eager,graph,compile (tiny: eager)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--gate", type=float, default=0.7, help="max rel err of quantized logits")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="no row starts after this")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    shape = "tiny" if args.tiny else "tinyllama"
+    device = "cpu" if args.tiny else "cuda"
+    harness.DEVICE = device
+    modes = (args.modes or ("eager" if args.tiny else "eager,graph,compile")).split(",")
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"unknown impls {unknown}; choose from {IMPLS}")
+    if args.out:
+        out_path = args.out
+    else:
+        gpu = torch.cuda.get_device_name().split()[-1].lower()
+        out_path = str(Path(__file__).parent / "results" / f"llm_{gpu}.json")
+    rows: list[dict] = []
+    bf16 = build(shape, device, torch.bfloat16)
+    models, build_s = {"bf16": bf16}, {}
+    for impl in impls:
+        if impl == "bf16":
+            continue
+        t0 = time.time()
+        try:
+            if impl in TORCHAO:
+                models[impl] = torchao_model(bf16, impl)
+            else:
+                models[impl] = qfuse_model(bf16, impl, bf16.config.vocab_size, device)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(impl=impl, mode="build", phase="build", batch=0, seq=0,
+                             error=harness.error_text(exc)))
+            print(rows[-1], flush=True)
+        build_s[impl] = round(time.time() - t0, 1)
+    print(f"built {sorted(models)} in {build_s}", flush=True)
+    prompt, slots = PROMPT[shape], PROMPT[shape] + SLACK[shape]
+    batches = [int(b) for b in args.batches.split(",")]
+    steps, refs = {}, {}
+    with torch.no_grad():
+        for phase, batch, mode, group in PLAN:
+            if mode not in modes or (phase == "decode" and batch not in batches):
+                continue
+            if (phase, batch) not in steps:
+                step = Step(bf16.config, phase, batch, prompt, slots, device)
+                steps[phase, batch] = step
+                refs[phase, batch] = step.check(step.callable(lambda s=step: s.forward(bf16)))
+            step = steps[phase, batch]
+            for impl in group:
+                if impl not in models or impl not in impls:
+                    continue
+                row = dict(impl=impl, mode=mode, phase=phase, batch=batch,
+                           seq=step.tokens // batch)
+                if time.time() - t_start > args.budget_s:
+                    rows.append({**row, "error": f"not run: the {args.budget_s:.0f} s budget "
+                                 "of this run was spent"})
+                    continue
+                tune = os.environ.get("QFUSE_AUTOTUNE")
+                if impl in DYNAMIC:
+                    os.environ["QFUSE_AUTOTUNE"] = "0"
+                # A row still running after 120 s prints every thread's stack (repeatedly): the
+                # second H200 run spent its last ~300 s in one row and left no trace of where.
+                faulthandler.dump_traceback_later(120, repeat=True)
+                try:
+                    one_row(rows, out_path, impl, mode, step, models[impl],
+                            refs[phase, batch], GATE.get(impl, args.gate))
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+                    if tune is None:
+                        os.environ.pop("QFUSE_AUTOTUNE", None)
+                    else:
+                        os.environ["QFUSE_AUTOTUNE"] = tune
+    add_ratios(rows)
+    meta = dict(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
+                build_s=build_s, wall_s=round(time.time() - t_start, 1),
+                note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
+    harness.write_results(out_path, rows, extra=meta)
+    print(table(rows))
+    print(f"wrote {out_path}")
+    return rows
+
+
+def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:
+    """The row of ``impl`` in ``mode`` for ``step``: eager, the eager step CUDA-graphed, or the
+    compiled step CUDA-graphed. Batch-1 graph and compile rows are profiled."""
+    fn = step.callable(lambda: step.forward(model))
+    if mode == "eager":
+        run_row(rows, out_path, impl, mode, step, fn, ref, gate)
+        return
+    layers = list(model.model.layers)
+    if mode == "compile":
+        torch._dynamo.reset()
+        compile_layers(layers)
+    try:
+        fn()  # compiles, autotunes, builds launch plans: none of it may happen in a capture
+        replay = graphed(fn) if harness.DEVICE == "cuda" else fn
+    except Exception as exc:  # noqa: BLE001
+        rows.append(dict(impl=impl, mode=mode, phase=step.phase, batch=step.batch,
+                         seq=step.tokens // step.batch, error=harness.error_text(exc)))
+        print(rows[-1], flush=True)
+    else:
+        run_row(rows, out_path, impl, mode, step, replay, ref, gate,
+                fn if step.batch == 1 else None)
+    finally:
+        for layer in layers:  # back to eager for the next rows
+            layer._compiled_call_impl = None
+
+
+def compile_layers(layers) -> None:
+    """``torch.compile`` each decoder layer (regional compilation, PyTorch's recipe for repeated
+    blocks): Inductor compiles one layer's graph and its cache serves the other 21 (they differ
+    only in ``layer_idx``, one Dynamo guard each). The whole model as one graph took ~90 s per
+    shape on the H200 machine. Embedding, final norm and LM head stay eager (inside the graph)."""
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 8 * len(layers)))
+    for layer in layers:
+        layer.compile()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""bench/bench_llm.py on a 2-layer Llama on the CPU: every row is checked, timed or an error,
+and the JSON carries what the GPU run's file must (device, versions, commit, rows)."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_llm  # noqa: E402
+
+
+def test_tiny_run_writes_checked_rows(tmp_path):
+    out = tmp_path / "llm.json"
+    bench_llm.main(["--tiny", "--impls", "bf16,qfuse_int8,qfuse_int8_dyn", "--out", str(out)])
+    data = json.loads(out.read_text())
+    for key in ("device", "torch", "triton", "commit", "model", "config", "build_s"):
+        assert key in data
+    rows = data["rows"]
+    assert {(r["impl"], r["phase"], r["batch"]) for r in rows} >= {
+        ("bf16", "decode", 1), ("qfuse_int8", "decode", 1), ("qfuse_int8", "prefill", 1),
+        ("qfuse_int8_dyn", "decode", 1), ("qfuse_int8", "decode", 32),
+    }
+    for r in rows:
+        assert r["mode"] == "eager" and r["seq"] == (16 if r["phase"] == "prefill" else 1)
+        assert "error" not in r, r
+        assert r["median_us"] > 0 and r["tokens_per_s"] > 0
+        assert 0 <= r["max_rel_err"] <= 0.25 and 0 <= r["argmax_agree"] <= 1
+    bf16 = next(r for r in rows if r["impl"] == "bf16" and r["phase"] == "decode")
+    assert bf16["max_rel_err"] == 0 and bf16["x_bf16"] == 1.0
+    q = next(r for r in rows if r["impl"] == "qfuse_int8" and r["phase"] == "decode")
+    assert q["max_rel_err"] > 0  # quantized logits differ from bf16: the check looked at them
+    assert abs(q["x_bf16"] - bf16["median_us"] / q["median_us"]) < 1e-2
+
+
+def test_unknown_impl_is_refused():
+    import pytest
+
+    with pytest.raises(SystemExit, match="unknown impls"):
+        bench_llm.main(["--tiny", "--impls", "qfuse_int4"])
+
+
+def test_kernel_classes():
+    assert bench_llm.classify("_qlinear_kernel") == "quantized GEMM"
+    assert bench_llm.classify("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "norm"
+    assert bench_llm.classify("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMM"
+    assert bench_llm.classify("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert bench_llm.classify("triton_poi_fused_mul_silu_3") == "other"
