@@ -33,14 +33,12 @@ from qfuse.kernels.common import (
     mul_rn,
     quantize_fp8,
     quantize_int8,
-    round_to_float_grid,
     tile_indices,
 )
+from qfuse.kernels.epilogue import float_grid, output_code, scale_acc, store_output
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
-OUT_FLOAT, OUT_INT8, OUT_FP8 = 0, 1, 2
-_FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 
 
 @triton.jit
@@ -58,14 +56,8 @@ def _epilogue(
     ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last).
     A quantized residual (``RES_Q``: int8/fp8 handed over by the conv that computed it) is
     dequantized as ``(r - zp) * scale`` before the add."""
-    if HAS_X_ZP:
-        wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
-        acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
-    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    # mul_rn: no FMA with the bias add, even where torch.compile launches this kernel
-    y = mul_rn(acc.to(tl.float32), scale[None, :])
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, scale_ptr, bias_ptr, x_zp_ptr,
+                  wsum_ptr, False, HAS_X_ZP, HAS_BIAS)
     y = activation(y, ACT)
     mask = mask_m[:, None] & mask_n[None, :]
     rows = offs_m.to(tl.int64)
@@ -79,17 +71,8 @@ def _epilogue(
         y = y + r
     y = activation(y, POST_ACT)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-    if OUT_Q == 1:
-        out_zp = 0.0
-        if HAS_OUT_ZP:
-            out_zp = tl.load(out_zp_ptr).to(tl.float32)
-        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
-    elif OUT_Q == 2:
-        tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
-    else:
-        if OUT_MANT > 0:
-            y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
+                 OUT_EMIN, EXACT)
 
 
 @triton.jit
@@ -515,8 +498,8 @@ def qconv2d(
     if not x_quantized and x.numel() and prequantize_input:
         x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launch)
         x_quantized = True
-    out_q = {torch.int8: OUT_INT8, FP8: OUT_FP8}.get(out_dtype, OUT_FLOAT)
-    grid_bits = _FLOAT_GRIDS.get(out_dtype, (0, 0)) if INTERPRETED else (0, 0)
+    out_q = output_code(out_dtype)
+    grid_bits = float_grid(out_dtype)
     if residual is not None:  # read as [M, C] rows, like the output (row stride C)
         residual = residual.contiguous(memory_format=torch.channels_last)
     dummy = scale  # absent tensors: never read; never ``out`` (see ``im2col``'s note)

@@ -28,13 +28,12 @@ from qfuse.kernels.common import (
     ACTIVATION_CODES,
     activation,
     gated,
-    mul_rn,
     out_features,
     quantize_fp8,
     quantize_int8,
-    round_to_float_grid,
     tile_indices,
 )
+from qfuse.kernels.epilogue import float_grid, output_code, scale_acc, store_output
 from qfuse.kernels.launcher import build, raw_stream
 from qfuse.kernels.tuning import GemmConfig, m_bucket, pick_config
 
@@ -44,12 +43,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Activations whose epilogue costs about nothing; the others get register-light schedules.
 _LIGHT_ACTS = ("none", "relu")
 
-# Output quantization codes (OUT_Q constexpr).
-OUT_FLOAT, OUT_INT8, OUT_FP8 = 0, 1, 2
-
-# (stored mantissa bits, smallest normal exponent) of the narrow float outputs; see
-# common.round_to_float_grid for why the interpreter needs them.
-_FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 
 
 @triton.jit
@@ -65,16 +58,8 @@ def _epilogue(
     """Zero-point correction, scales, bias, activation, residual, requant — reference order."""
     mask_m = offs_m < M
     mask_n = offs_n < N
-    if HAS_X_ZP:
-        wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
-        acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
-    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    # mul_rn: no FMA with the bias add, even where torch.compile launches this kernel
-    y = mul_rn(acc.to(tl.float32), scale[None, :])
-    if X_ROW_SCALE:
-        y = mul_rn(y, tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None])
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
+                  wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
     if ACT >= 7:  # gated (SwiGLU / GeGLU): N interleaved gate/up columns -> N / 2 outputs
         y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
         mask_n = offs_n < N // 2
@@ -85,17 +70,8 @@ def _epilogue(
         r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
         y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if OUT_Q == 1:
-        out_zp = 0.0
-        if HAS_OUT_ZP:
-            out_zp = tl.load(out_zp_ptr).to(tl.float32)
-        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
-    elif OUT_Q == 2:
-        tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
-    else:
-        if OUT_MANT > 0:
-            y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
+                 OUT_EMIN, EXACT)
 
 
 @triton.jit
@@ -368,8 +344,8 @@ def gemm_args(
         acc_dtype = torch.float32 if weight.dtype == torch.float8_e4m3fn else torch.int32
         ws = torch.empty((cfg.split_k, M, N), device=x.device, dtype=acc_dtype)
         locks = _locks(x.device, tiles, tracing)
-    out_q = {torch.int8: OUT_INT8, torch.float8_e4m3fn: OUT_FP8}.get(out.dtype, OUT_FLOAT)
-    grid_bits = _FLOAT_GRIDS.get(out.dtype, (0, 0)) if INTERPRETED else (0, 0)
+    out_q = output_code(out.dtype)
+    grid_bits = float_grid(out.dtype)
     res = residual if residual is not None else out
     dummy = scale
     or_dummy = lambda t: t if t is not None else dummy  # noqa: E731

@@ -1,0 +1,74 @@
+"""The epilogue pieces the GEMM and conv kernels share: scaling the accumulator, and writing the
+result (requantized to int8/fp8, or float).
+
+    y   = (acc - zp_x * colsum(W)) * scale[n] [* x_scale[m]] + bias[n]      (``scale_acc``)
+    out = quantize(y) with a static scale, or y in the output's float dtype (``store_output``)
+
+Both keep the CPU reference's order and rounding: every product is an explicitly rounded
+``mul_rn`` (no FMA with the following add, even where torch.compile launches the kernel), and
+interpreted kernels round narrow float outputs with integer ops (``round_to_float_grid``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from qfuse.kernels.common import mul_rn, quantize_fp8, quantize_int8, round_to_float_grid
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Output quantization codes (the kernels' OUT_Q constexpr).
+OUT_FLOAT, OUT_INT8, OUT_FP8 = 0, 1, 2
+
+# (stored mantissa bits, smallest normal exponent) of the narrow float outputs; see
+# common.round_to_float_grid for why the interpreter needs them.
+_FLOAT_GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+def output_code(out_dtype: torch.dtype) -> int:
+    return {torch.int8: OUT_INT8, torch.float8_e4m3fn: OUT_FP8}.get(out_dtype, OUT_FLOAT)
+
+
+def float_grid(out_dtype: torch.dtype) -> tuple[int, int]:
+    """``(OUT_MANT, OUT_EMIN)`` for a float output: rounded by integer ops in the interpreter
+    only; the GPU's own cast rounds to nearest even."""
+    return _FLOAT_GRIDS.get(out_dtype, (0, 0)) if INTERPRETED else (0, 0)
+
+
+@triton.jit
+def scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
+              wsum_ptr, X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """Zero-point correction, per-channel (and per-row) scales and bias, in float32."""
+    if HAS_X_ZP:
+        wsum = tl.load(wsum_ptr + offs_n, mask=mask_n, other=0)
+        acc = acc - tl.load(x_zp_ptr) * wsum[None, :]
+    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    y = mul_rn(acc.to(tl.float32), scale[None, :])
+    if X_ROW_SCALE:
+        y = mul_rn(y, tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None])
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    return y
+
+
+@triton.jit
+def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.constexpr,
+                 HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """``y`` requantized (int8 with an optional zero point, fp8) or in the output's dtype."""
+    if OUT_Q == 1:
+        out_zp = 0.0
+        if HAS_OUT_ZP:
+            out_zp = tl.load(out_zp_ptr).to(tl.float32)
+        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
+    elif OUT_Q == 2:
+        tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
+    else:
+        if OUT_MANT > 0:
+            y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
