@@ -307,37 +307,21 @@ def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
     return ConvConfig(1024 // block_c, block_c, 0, 4, 1)
 
 
-@triton.jit
-def _prequantize_kernel(x_ptr, inv_scale_ptr, zp_ptr, q_ptr, numel, FP8: tl.constexpr,
-                        HAS_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
-    """Elementwise static quantization of a dense tensor (same functions as the prologue)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.load(inv_scale_ptr)
-    if FP8:
-        q = quantize_fp8(x, inv, EXACT)
-    else:
-        zp = 0.0
-        if HAS_ZP:
-            zp = tl.load(zp_ptr).to(tl.float32)
-        q = quantize_int8(x, inv, zp)
-    tl.store(q_ptr + offs, q, mask=mask)
-
-
-def prequantize(x, qdtype, inv_scale, zero_point, launch):
+def prequantize(x, qdtype, inv_scale, zero_point, wrap=None):
     """Quantize ``x`` once in its own pass: a kxk conv (or a depthwise one) would otherwise
-    quantize each input element k*k times in its prologue; int8/fp8 values are identical."""
+    quantize each input element k*k times in its prologue; int8/fp8 values are identical.
+    Runs ``quantize``'s kernel over the storage order (channels-last rows of C); ``wrap`` as in
+    ``qconv2d``'s ``launcher``."""
+    from qfuse.kernels.quantize import quantize
+
     if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
         x = x.contiguous(memory_format=torch.channels_last)
-    q = torch.empty_like(x, dtype=qdtype)  # same strides: elementwise over the storage
-    block = 1024
-    launch(_prequantize_kernel)[(triton.cdiv(x.numel(), block),)](
-        x, inv_scale, zero_point if zero_point is not None else inv_scale, q, x.numel(),
-        FP8=qdtype == FP8, HAS_ZP=zero_point is not None, EXACT=INTERPRETED, BLOCK=block,
-        num_warps=4, enable_fp_fusion=False,
-    )
-    return q
+    nhwc = not x.is_contiguous()  # channels-last storage: rows of C
+    rows = x.permute(0, 2, 3, 1) if nhwc else x
+    q, _ = quantize(rows.reshape(-1, rows.shape[-1]), qdtype, inv_scale, zero_point,
+                    INTERPRETED, wrap=wrap)
+    q = q.view(rows.shape)
+    return q.permute(0, 3, 1, 2) if nhwc else q
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -496,7 +480,7 @@ def qconv2d(
     if prequantize_input is None:
         prequantize_input = kh * kw > 1 or depthwise  # the patch buffer then copies bytes
     if not x_quantized and x.numel() and prequantize_input:
-        x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launch)
+        x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launcher)
         x_quantized = True
     out_q = output_code(out_dtype)
     grid_bits = float_grid(out_dtype)

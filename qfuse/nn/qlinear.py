@@ -56,7 +56,7 @@ class QLinear(QuantizedModule):
         # GELU/SiLU epilogue on the GPU: hardware erf/exp (False) or the IEEE-exact polynomials
         # that match the CPU reference bit for bit (True). See kernels/common.activation.
         self.exact_epilogue = False
-        self._launch_cache: dict = {}  # kernels.qgemm.qlinear_eager's plans, per M bucket
+        self._launch_cache: dict = {}  # kernels.qgemm_eager.qlinear_eager's plans, per M bucket
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
         self.register_buffer("scale", torch.ones(out_features))

@@ -142,7 +142,8 @@ def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, 
                  fast_act=False, cache=None):
     """What modules call: the ``qfuse::qlinear`` op where it is traced, compiled, exported or
     differentiated; in plain eager inference the op's body directly, and on CUDA with a
-    ``cache`` (the layer's own dict) cached compiled kernels (``kernels.qgemm.qlinear_eager``).
+    ``cache`` (the layer's own dict) cached compiled kernels
+    (``kernels.qgemm_eager.qlinear_eager``).
 
     The op's dispatcher and autograd layers cost ~30 us of host time per call (measured on a
     CPU host: 44 us through the op against 12 us for the body alone), and Triton's own launch
@@ -155,7 +156,7 @@ def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, 
                                        activation, out_dtype, x_scale, fast_act)
     if (cache is not None and x.is_cuda and x_scale is None and not INTERPRETED
             and resolve_backend(x.device) is Backend.TRITON):
-        from qfuse.kernels.qgemm import qlinear_eager
+        from qfuse.kernels.qgemm_eager import qlinear_eager
 
         K = x.shape[-1]
         if x.dim() == 2 and K == weight.shape[1]:  # the hot path: no reshapes, checked plans
