@@ -250,21 +250,13 @@ def median_us(fn) -> float:
 
 def breakdown(fn, calls: int = 3) -> dict:
     """GPU microseconds per kernel class and the top kernels, per call (torch.profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     classes: dict[str, float] = {}
     kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        cls = classify(e.name)
-        classes[cls] = classes.get(cls, 0.0) + e.device_time / calls
-        k = kernels.setdefault(e.name[:90], [0.0, 0])
-        k[0] += e.device_time / calls
+    for name, us in harness.cuda_kernels(fn, calls):
+        cls = classify(name)
+        classes[cls] = classes.get(cls, 0.0) + us / calls
+        k = kernels.setdefault(name[:90], [0.0, 0])
+        k[0] += us / calls
         k[1] += 1
     out = {k: round(v, 1) for k, v in sorted(classes.items())}
     out["total"] = round(sum(classes.values()), 1)

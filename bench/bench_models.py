@@ -121,23 +121,14 @@ def graphed(fn):
 
 def breakdown(fn, calls: int = 3) -> tuple[dict, int]:
     """GPU microseconds per kernel class per call, and kernels per call (torch.profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    kernels = harness.cuda_kernels(fn, calls)
     out: dict[str, float] = {}
-    count = 0
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        count += 1
-        cls = classify(e.name)
-        out[cls] = out.get(cls, 0.0) + e.device_time / calls
+    for name, us in kernels:
+        cls = classify(name)
+        out[cls] = out.get(cls, 0.0) + us / calls
     out = {k: round(v, 1) for k, v in sorted(out.items())}
     out["total"] = round(sum(out.values()), 1)
-    return out, count // calls
+    return out, len(kernels) // calls
 
 
 def run_row(rows, model_name, batch, impl, mode, fn, ref, out_path):

@@ -80,19 +80,12 @@ def breakdown(fn) -> dict:
     """GPU time and kernel count per kernel family over one call, and the top kernels."""
     if not torch.cuda.is_available():
         return {}
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
     fams: dict[str, list] = {}
     kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        for table, key in ((fams, family(e.name)), (kernels, e.name[:90])):
+    for name, us in H.cuda_kernels(fn):
+        for table, key in ((fams, family(name)), (kernels, name[:90])):
             t = table.setdefault(key, [0.0, 0])
-            t[0] += e.device_time_total
+            t[0] += us
             t[1] += 1
     return {
         "total_us": round(sum(v[0] for v in fams.values()), 1),

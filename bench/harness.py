@@ -61,6 +61,19 @@ def count_launches(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def cuda_kernels(fn: Callable[[], object], calls: int = 1) -> list[tuple[str, float]]:
+    """``(kernel name, GPU us)`` of every kernel ``calls`` calls of ``fn`` launch
+    (torch.profiler; one warm-up call first). Breakdowns divide by ``calls``."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def host_us(fn: Callable[[], object], calls: int = 20) -> float:
     """CPU time to issue one call, measured while the GPU is held busy (so nothing waits on it):
     above the GPU time, a forward is launch-bound and CUDA graphs would pay off."""
