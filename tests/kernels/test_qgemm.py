@@ -158,6 +158,10 @@ def test_schedules(device, cfg, qdtype):
     for out_dtype, x_mode in ((torch.int8, "static"), (torch.float32, "channels")):
         check(make_case(37, 150, 70, device, qdtype=qdtype, x_mode=x_mode, act="silu",
                         out_dtype=out_dtype, residual=True), cfg)
+    if qdtype == torch.int8:  # zero points under split-K, the split epilogue, persistent tiles
+        for x_mode in ("static", "quantized"):
+            check(make_case(37, 150, 70, device, x_mode=x_mode, act="gelu",
+                            out_dtype=torch.int8, zp=True), cfg)
     # Twice in a row: split-K counters must have reset themselves.
     a = make_case(20, 150, 40, device, qdtype=qdtype, out_dtype=torch.int8, seed=3)
     torch.testing.assert_close(qgemm.qlinear(**a, config=cfg), qgemm.qlinear(**a, config=cfg),
