@@ -152,40 +152,73 @@ def run_row(rows, model_name, batch, impl, mode, fn, ref, out_path):
     harness.write_results(out_path, rows)  # keep what was measured if a later row dies
 
 
+def modes_of(impl: str) -> tuple[str, ...]:
+    if impl == "fp32":
+        return ("eager",)
+    return ("compile", "graph") if impl.startswith("torchao") else ("eager", "compile", "graph")
+
+
+def launch_modes(model) -> dict[str, int]:
+    """Fused Linears per eager launch mode (``QLinear.launch_mode``: "cached launch", or the
+    reason a layer takes Triton's own 50-100 µs launch)."""
+    from qfuse.nn import QLinear
+
+    modes: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QLinear):
+            modes[m.launch_mode] = modes.get(m.launch_mode, 0) + 1
+    return modes
+
+
+def pending(done: set, model_name: str, batch: int, impl: str) -> bool:
+    return any((model_name, batch, impl, m) not in done for m in modes_of(impl))
+
+
 @torch.no_grad()
-def bench_model(model_name, batches, impls, rows, out_path):
+def bench_model(model_name, batches, impls, rows, out_path, done=frozenset(), deadline=None):
+    """Every (batch, impl, mode) row of one model not in ``done``; no new (batch, impl) unit
+    starts after ``deadline`` (``time.time()``), so a call's time limit leaves whole rows."""
     dev = "cuda"
+    todo = {i for i in impls if any(pending(done, model_name, b, i) for b in batches)}
+    if not todo:
+        return
     fp32 = build(model_name, torch.float32, dev)
     bf16 = build(model_name, torch.bfloat16, dev)
     models = {}
-    if "qfuse_int8" in impls:
+    if "qfuse_int8" in todo:
         models["qfuse_int8"] = qfuse_model(bf16, qfuse.QConfig(symmetric=False), dev)
-    if "qfuse_fp8" in impls:
+    if "qfuse_fp8" in todo:
         models["qfuse_fp8"] = qfuse_model(bf16, qfuse.QConfig.fp8_static(), dev)
     for kind in ("int8", "fp8"):
-        if f"torchao_{kind}" in impls:
+        if f"torchao_{kind}" in todo:
             try:
                 models[f"torchao_{kind}"] = torchao_model(bf16, kind)
             except Exception as exc:  # noqa: BLE001
                 rows.append(dict(model=model_name, impl=f"torchao_{kind}", mode="eager",
                                  batch=0, seq=SEQ, error=harness.error_text(exc)))
     for batch in batches:
+        if not any(pending(done, model_name, batch, i) for i in impls):
+            continue
         inp = tokens(batch, dev)
         ref = hidden(fp32(**inp)).double()
-        if "fp32" in impls:
+        if pending(done, model_name, batch, "fp32") and "fp32" in impls:
             run_row(rows, model_name, batch, "fp32", "eager", lambda i=inp: fp32(**i), ref,
                     out_path)
         for impl in impls:
-            if impl == "fp32":
+            if impl == "fp32" or not pending(done, model_name, batch, impl):
+                continue
+            if deadline is not None and time.time() > deadline:
+                print(f"budget spent: {model_name} batch {batch} {impl} not started", flush=True)
                 continue
             model = bf16 if impl == "bf16" else models.get(impl)
             if model is None:
                 continue
-            modes = ("compile", "graph") if impl.startswith("torchao") else (
-                "eager", "compile", "graph")
-            if "eager" in modes:
+            if "eager" in modes_of(impl) and (model_name, batch, impl, "eager") not in done:
                 run_row(rows, model_name, batch, impl, "eager", lambda m=model, i=inp: m(**i), ref,
                         out_path)
+                if impl.startswith("qfuse"):  # how each fused Linear launched (cached or why not)
+                    rows[-1]["launch_modes"] = launch_modes(model)
+                    harness.write_results(out_path, rows)
             torch._dynamo.reset()
             compiled = torch.compile(model)
             fn = lambda c=compiled, i=inp: c(**i)  # noqa: E731
@@ -218,20 +251,39 @@ def table(rows):
     return "\n".join(lines)
 
 
+def resumed_rows(path: str) -> list[dict]:
+    """The timed rows of an earlier, interrupted call at the same commit (a row measured on
+    other code does not mix in: the file's ``commit`` must match ``harness.environment``'s)."""
+    if not Path(path).exists():
+        return []
+    with open(path) as f:
+        old = json.load(f)
+    if old.get("commit") != harness.environment()["commit"]:
+        print(f"--resume: {path} is from commit {old.get('commit')}; starting over", flush=True)
+        return []
+    return [r for r in old.get("rows", []) if "median_us" in r]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm-l6,bert-base")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--impls", default="fp32,bf16,torchao_int8,torchao_fp8,qfuse_int8,qfuse_fp8")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows --out already holds for this commit; run the rest")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new (batch, impl) after this many seconds")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     out_path = args.out or str(Path(__file__).parent / "results" / f"models_{gpu}.json")
-    rows: list[dict] = []
+    rows = resumed_rows(out_path) if args.resume else []
+    done = {(r["model"], r["batch"], r["impl"], r["mode"]) for r in rows if "median_us" in r}
+    deadline = time.time() + args.budget_s if args.budget_s else None
     impls = args.impls.split(",")
     for model_name in args.models.split(","):
         bench_model(model_name, [int(b) for b in args.batches.split(",")], impls, rows,
-                    out_path)
+                    out_path, done, deadline)
     print(table(rows))
     print(f"wrote {out_path}")
 

@@ -3,7 +3,7 @@
 safetensors metadata is a ``str -> str`` map; qfuse stores one key, ``"qfuse"``, holding a JSON
 object (see ``docs/export.md`` for every field)::
 
-    {"format": "qfuse", "format_version": 1, "qfuse_version": "0.1.0", "torch_version": "...",
+    {"format": "qfuse", "format_version": 2, "qfuse_version": "0.1.0", "torch_version": "...",
      "config": QConfig.to_dict(),
      "chains": [<module path of every fusible chain found at capture>],
      "layers": [{"name", "chain", "module", "pattern", "kind", "precision", "kernel",
@@ -12,7 +12,9 @@ object (see ``docs/export.md`` for every field)::
      "aliases": {"<tied name>": "<saved name>"}, "checksums": {"<tensor>": crc32}}
 
 A reader that sees a ``format_version`` above ``FORMAT_VERSION`` refuses the file: fields may have
-changed meaning. Adding optional fields does not bump the version.
+changed meaning. Adding optional fields does not bump the version. Version 2: a Linear with
+asymmetric int8 input stores its zero-point correction folded into ``bias`` and no
+``weight_sum`` (``nn.QLinear._fold_zero_point``); version-1 files still load (folded on load).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from qfuse.state import LayerRecord
 
 METADATA_KEY = "qfuse"
 FORMAT_NAME = "qfuse"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LAYER_KEYS = frozenset({"name", "chain", "module", "pattern", "layout"})
 
 

@@ -134,6 +134,7 @@ def _qlinear_kernel(
     X_INV_VEC: tl.constexpr,
     X_ROW_SCALE: tl.constexpr,
     HAS_X_ZP: tl.constexpr,
+    ZP_CORR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -219,7 +220,7 @@ def _qlinear_kernel(
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
             stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
             OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
         )
 
@@ -231,7 +232,8 @@ def _qlinear_persistent_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, ZP_CORR: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
     OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -285,7 +287,7 @@ def _qlinear_persistent_kernel(
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
             stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
             OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
         )
 
@@ -363,6 +365,7 @@ def gemm_args(
         X_INV_VEC=x_inv_scale is not None and x_inv_scale.numel() > 1,
         X_ROW_SCALE=x_scale is not None,
         HAS_X_ZP=x_zero_point is not None,
+        ZP_CORR=x_zero_point is not None and weight_sum is not None,
         HAS_BIAS=bias is not None,
         ACT=ACTIVATION_CODES[act],
         HAS_RESIDUAL=residual is not None,

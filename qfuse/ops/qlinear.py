@@ -88,6 +88,8 @@ def _impl(
     with its per-token scales ``x_scale`` [...]). ``weight`` is int8 or fp8 [N, K]; ``scale`` [N]
     is ``s_x * s_w`` (static) or ``s_w`` (dynamic). Output [..., N] of ``out_dtype``; int8/fp8
     outputs are requantized with ``out_inv_scale`` (and ``out_zero_point`` for int8).
+    ``weight_sum`` (int32 [N], ``sum_k W[n, k]``) applies ``- x_zero_point * weight_sum`` to the
+    accumulator; pass None when that correction is already folded into ``bias``.
     ``fast_act`` runs GELU/SiLU with hardware erf/exp on the GPU (the CPU reference is exact).
 
     On CUDA the Triton kernels are launched through ``torch.library.wrap_triton``: traced by

@@ -204,13 +204,15 @@ def qlinear(
     """Reference of ``kernels.qgemm.qlinear`` on 2-D x [M, K] (int8 or fp8 ``weight``).
 
     Float ``x`` without ``x_inv_scale`` is quantized per token (dynamic); a quantized ``x`` may
-    bring its per-token scales in ``x_scale``.
+    bring its per-token scales in ``x_scale``. An asymmetric ``x`` (``x_zero_point``) is corrected
+    by ``- x_zero_point * weight_sum`` on the int32 accumulator when ``weight_sum`` is given;
+    without it the caller has folded that correction into ``bias`` (``nn.QLinear`` does).
     """
     if x.is_floating_point() and x.dtype != FP8 and x_inv_scale is None:
         x, x_scale = quantize_per_token(x, weight.dtype)
     xq = _quantize_input(x, x_inv_scale, x_zero_point, weight.dtype)
     acc = fp8_matmul(xq, weight) if weight.dtype == FP8 else int_matmul(xq, weight)
-    if x_zero_point is not None:
+    if x_zero_point is not None and weight_sum is not None:
         acc = acc - x_zero_point.to(torch.int32) * weight_sum[None, :]
     return epilogue(
         acc,

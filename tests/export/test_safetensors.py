@@ -112,8 +112,9 @@ def test_file_is_plain_safetensors_with_documented_names(make_case, tmp_path):
     assert set(tensors) == set(graph_tensors(case.qmodel))
     up = case.qmodel.get_submodule("up")
     assert tensors["up.weight"].dtype == torch.int8
-    for buf in ("weight", "scale", "bias", "x_scale", "x_zero_point", "weight_sum", "out_scale"):
+    for buf in ("weight", "scale", "bias", "x_scale", "x_zero_point", "out_scale"):
         assert torch.equal(tensors[f"up.{buf}"], getattr(up, buf)), buf
+    assert "up.weight_sum" not in tensors  # folded into the bias (format 2)
     with safetensors.safe_open(path, framework="pt") as f:
         meta = json.loads(f.metadata()[METADATA_KEY])
     assert meta["format_version"] == FORMAT_VERSION

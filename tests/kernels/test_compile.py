@@ -66,6 +66,7 @@ def compile_qlinear(variant) -> dict:
     constexprs = dict(
         FP8="fp8" in w, X_QUANTIZED=xq, X_INV_VEC=not xq and "fp8" in w, X_ROW_SCALE=rows,
         HAS_X_ZP=not xq and "i8" in w,
+        ZP_CORR=not xq and "i8" in w,
         HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=True, OUT_Q=out_q,
         HAS_OUT_ZP=out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False, FAST_ACT=act == "silu",
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,

@@ -111,3 +111,63 @@ def test_deepcopy_and_pickle_drop_launch_plans():
         assert clone._launch_cache == {} and torch.equal(clone.weight, lin.weight)
     x = torch.randn(3, 16)
     assert torch.equal(copy.deepcopy(lin)(x), lin(x))
+
+
+def _asym(device="cpu", bias=True, out_dtype=torch.int8):
+    """An asymmetric int8 layer (GELU-like input: mostly positive, zero point near -128)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 72, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    x = torch.nn.functional.gelu(torch.randn(9, 72, generator=g) * 2)
+    lo, hi = x.min().item(), x.max().item()
+    x_scale = torch.tensor((hi - lo) / 255.0)
+    zp = torch.tensor(round(-128 - lo / x_scale.item()), dtype=torch.int32)
+    lin = QLinear.from_float(w, b, x_scale=x_scale, x_zero_point=zp, dtype=torch.int8,
+                             activation="gelu", out_dtype=out_dtype,
+                             out_scale=torch.tensor(0.05) if out_dtype == torch.int8 else None,
+                             out_zero_point=torch.tensor(-20) if out_dtype == torch.int8 else None)
+    return lin.to(device), x.to(device)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_zero_point_correction_is_folded_into_the_bias(bias):
+    from qfuse.ops import reference
+
+    lin, x = _asym(bias=bias, out_dtype=torch.float32)
+    assert lin.weight_sum is None and lin.bias is not None
+    # The unfolded form (int32 correction on the accumulator) gives the same numbers up to
+    # float32 rounding of the two orders of operations.
+    wsum = lin.weight.sum(dim=1, dtype=torch.int32)
+    corr = lin.x_zero_point.double() * wsum.double() * lin.scale.double()
+    unfolded_bias = (lin.bias.double() + corr).float()
+    ref = reference.qlinear(x, lin.weight, lin.scale, unfolded_bias, lin.x_inv_scale,
+                            lin.x_zero_point, wsum, None, None, None, "gelu", torch.float32)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_format_1_buffers_load_folded():
+    """A file written before the fold carries ``weight_sum`` and the plain bias."""
+    lin, x = _asym()
+    tensors = {k: v.clone() for k, v in lin.state_dict().items()}
+    wsum = lin.weight.sum(dim=1, dtype=torch.int32)
+    old_bias = (lin.bias.double() + lin.x_zero_point.double() * wsum.double()
+                * lin.scale.double()).float()
+    layout = lin.layout() | {"buffers": sorted([*lin.layout()["buffers"], "weight_sum"])}
+    again = QLinear.from_layout(layout, tensors | {"bias": old_bias, "weight_sum": wsum})
+    assert again.weight_sum is None
+    assert (again.bias - lin.bias).abs().max() < 1e-5
+    assert (again(x).int() - lin(x).int()).abs().max() <= 1
+
+
+def test_folded_zero_point_kernel_matches_reference(device):
+    """The Triton kernel (the interpreter on CPU CI) on the folded buffers: the reference's bits."""
+    from qfuse.kernels import qgemm
+    from qfuse.ops import reference
+
+    lin, x = _asym()
+    b = lin._buffers
+    args = (x, b["weight"], b["scale"], b["bias"], b["x_inv_scale"], b["x_zero_point"], None,
+            None, b["out_inv_scale"], b["out_zero_point"], "gelu", torch.int8)
+    ref = reference.qlinear(*args)
+    out = qgemm.qlinear(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    assert torch.equal(out.cpu(), ref)

@@ -1,0 +1,52 @@
+"""bench/bench_models.py's resume logic (the timing itself needs CUDA): a second call at the same
+commit runs only what the first left, and rows from other code never mix in."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_models  # noqa: E402
+import harness  # noqa: E402
+
+
+def _write(path, commit, rows):
+    path.write_text(json.dumps({"commit": commit, "rows": rows}))
+
+
+def test_resume_keeps_timed_rows_of_the_same_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("QFUSE_COMMIT", "abc1234")
+    out = tmp_path / "models.json"
+    timed = dict(model="bert-base", batch=32, impl="bf16", mode="graph", median_us=1.0)
+    failed = dict(model="bert-base", batch=32, impl="qfuse_int8", mode="graph", error="x")
+    _write(out, "abc1234", [timed, failed])
+    rows = bench_models.resumed_rows(str(out))
+    assert rows == [timed]  # a failed row is run again
+    _write(out, "fff0000", [timed])
+    assert bench_models.resumed_rows(str(out)) == []
+    assert bench_models.resumed_rows(str(tmp_path / "missing.json")) == []
+    assert harness.environment()["commit"] == "abc1234"
+
+
+def test_pending_counts_every_mode_of_an_impl():
+    done = {("minilm-l6", 1, "bf16", "eager"), ("minilm-l6", 1, "bf16", "compile")}
+    assert bench_models.pending(done, "minilm-l6", 1, "bf16")  # graph left
+    done.add(("minilm-l6", 1, "bf16", "graph"))
+    assert not bench_models.pending(done, "minilm-l6", 1, "bf16")
+    assert bench_models.modes_of("torchao_int8") == ("compile", "graph")
+    assert bench_models.modes_of("fp32") == ("eager",)
+
+
+def test_launch_modes_counts_fused_linears():
+    import torch
+
+    from qfuse.nn import QLinear
+
+    lin = QLinear.from_float(torch.randn(8, 16), None, x_scale=torch.tensor(0.1),
+                             x_zero_point=None)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)
+    assert bench_models.launch_modes(model) == {"cached launch": 1}  # one module, listed once
+    lin._launch_cache["plain"] = "plain launch (direct launch failed: X)"
+    assert bench_models.launch_modes(torch.nn.Sequential(lin)) == {
+        "plain launch (direct launch failed: X)": 1}
