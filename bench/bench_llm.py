@@ -26,8 +26,8 @@ does, without a second compilation).
 
 Every row's logits are checked against bf16 eager (relative error gate, and the share of argmax
 tokens that agree) before it is timed (``do_bench`` median); rows that fail carry ``error``.
-Rows run in ``PLAN`` order, most important first, while ``--budget-s`` lasts; rows left out say
-so.
+Rows run in ``PLANS[--plan]`` order, most important first, while ``--budget-s`` lasts; rows
+left out say so.
 Each timed row of batch 1 and prefill gets a ``breakdown`` (GPU microseconds per kernel class:
 quantized GEMM, GEMM, attention, norm, quantize, other) and its top kernels (torch.profiler),
 which explain where a loss comes from.
@@ -50,6 +50,7 @@ import harness  # noqa: E402
 from bench_models import graphed  # noqa: E402
 
 import qfuse  # noqa: E402
+from qfuse.kernels import tuning  # noqa: E402
 
 SHAPES = {
     # TinyLlama-1.1B (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads).
@@ -82,32 +83,40 @@ STATIC = ("bf16", *TORCHAO, "qfuse_int8", "qfuse_fp8")
 # to a previous error during capture") and left the context unusable: it runs compiled only.
 GRAPHABLE = tuple(i for i in STATIC if i != "torchao_int8dq")
 DYNAMIC = ("qfuse_int8_dyn", "qfuse_fp8_dyn")
-# What runs, most important first, while --budget-s lasts: (phase, batch, mode, impls). Eager and
-# graph rows are cheap; a compile row compiles one decoder layer and reuses it (compile_layers).
+# What runs, most important first, while --budget-s lasts: (phase, batch, mode, impls). Two
+# plans, one per device call (a 420 s call holds one): "graph" (the eager step CUDA-graphed:
+# cheap rows, every batch) and "compile" (a compile row compiles one decoder layer, ~20-40 s,
+# and reuses it for the other 21: compile_layers). "all" runs both.
 # Dynamic qfuse layers run their first schedule candidate (QFUSE_AUTOTUNE=0): autotuning
 # compiles every candidate, ~20 per M bucket and kind, and the device time is short.
-PLAN = (
-    ("decode", 1, "eager", ("bf16", "torchao_int8wo", "qfuse_int8")),
-    ("decode", 1, "graph", (*GRAPHABLE, "qfuse_int8_split")),
-    ("decode", 1, "compile", ("bf16", "qfuse_int8", "torchao_int8wo")),
-    ("prefill", 1, "graph", GRAPHABLE),
-    ("prefill", 1, "compile", ("bf16", "qfuse_int8")),
-    ("decode", 32, "graph", GRAPHABLE),
-    ("decode", 1, "graph", DYNAMIC),
-    ("decode", 8, "graph", GRAPHABLE),
-    ("decode", 1, "compile", ("qfuse_fp8", "torchao_fp8", "torchao_int8dq")),
-    ("decode", 32, "compile", ("bf16", "qfuse_int8")),
-    ("prefill", 1, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8")),
-    ("prefill", 1, "graph", DYNAMIC),
-    ("decode", 8, "compile", ("bf16", "qfuse_int8")),
-    ("decode", 32, "graph", DYNAMIC),
-    ("decode", 32, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8", "torchao_int8wo")),
-    ("decode", 8, "compile", ("qfuse_fp8", "torchao_int8wo", "torchao_int8dq", "torchao_fp8")),
-    ("decode", 1, "compile", DYNAMIC),
-    ("decode", 1, "eager", ("torchao_int8dq", "torchao_fp8", "qfuse_fp8", *DYNAMIC)),
-    ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
-    ("decode", 32, "eager", ("bf16", "qfuse_int8")),
-)
+MAIN = ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo", "torchao_fp8")
+PLANS = {
+    "graph": (
+        ("decode", 1, "graph", MAIN),
+        ("prefill", 1, "graph", MAIN),
+        ("decode", 8, "graph", MAIN),
+        ("decode", 32, "graph", MAIN),
+        ("decode", 1, "graph", (*DYNAMIC, "qfuse_int8_split")),
+        ("decode", 1, "eager", ("bf16", "qfuse_int8", "torchao_int8wo")),
+        ("decode", 32, "graph", DYNAMIC),
+        ("prefill", 1, "graph", DYNAMIC),
+        ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
+        ("decode", 32, "eager", ("bf16", "qfuse_int8", *DYNAMIC)),
+        ("decode", 1, "eager", DYNAMIC),
+    ),
+    "compile": (
+        ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo")),
+        ("prefill", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
+        ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
+        ("decode", 1, "compile", ("torchao_fp8", "torchao_int8dq")),
+        ("prefill", 1, "compile", ("torchao_fp8", "torchao_int8wo")),
+        ("decode", 32, "compile", ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo",
+                                   "torchao_fp8")),
+        ("decode", 8, "compile", ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo")),
+        ("decode", 1, "compile", DYNAMIC),
+    ),
+}
+PLANS["all"] = PLANS["graph"] + PLANS["compile"]
 
 # Kernel classes by name, first match wins. Inductor names fused kernels after their ops (a
 # fused RMSNorm has rsqrt in its name); cuBLAS on Hopper names GEMMs nvjet_* / gemv*.
@@ -338,6 +347,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--gate", type=float, default=0.7, help="max rel err of quantized logits")
     ap.add_argument("--budget-s", type=float, default=1e9, help="no row starts after this")
+    ap.add_argument("--plan", default="all", choices=sorted(PLANS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -349,12 +359,15 @@ def main(argv=None):
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
         raise SystemExit(f"unknown impls {unknown}; choose from {IMPLS}")
+    planned = {i for _, _, mode, group in PLANS[args.plan] if mode in modes for i in group}
+    impls = [i for i in impls if i in planned or i == "bf16"]  # build only what will run
     if args.out:
         out_path = args.out
     else:
         gpu = torch.cuda.get_device_name().split()[-1].lower()
         out_path = str(Path(__file__).parent / "results" / f"llm_{gpu}.json")
     rows: list[dict] = []
+    tuning.REPORTS = []  # every autotune's timings (decode buckets: cold L2) go in the JSON
     bf16 = build(shape, device, torch.bfloat16)
     models, build_s = {"bf16": bf16}, {}
     for impl in impls:
@@ -376,7 +389,7 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
     steps, refs = {}, {}
     with torch.no_grad():
-        for phase, batch, mode, group in PLAN:
+        for phase, batch, mode, group in PLANS[args.plan]:
             if mode not in modes or (phase == "decode" and batch not in batches):
                 continue
             if (phase, batch) not in steps:
@@ -411,6 +424,7 @@ def main(argv=None):
     add_ratios(rows)
     meta = dict(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
                 build_s=build_s, wall_s=round(time.time() - t_start, 1),
+                plan=args.plan, autotune=tuning.REPORTS,
                 note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
     harness.write_results(out_path, rows, extra=meta)
     print(table(rows))

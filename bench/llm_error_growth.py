@@ -11,7 +11,6 @@ Runs on the CPU (the reference kernels, fp32 model) in a few minutes; ``--layers
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
