@@ -139,6 +139,54 @@ def classify(name: str) -> str:
     return "other"
 
 
+def gemms(config) -> list[tuple[int, int, str, bool, bool]]:
+    """(N, K, activation, int8/fp8 input, int8/fp8 output) of each distinct GEMM the converted
+    model runs: Q, K/V and O read bf16 (quantized in the prologue), gate/up writes the SwiGLU
+    product quantized for down, the LM head."""
+    d, ff = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (d // config.num_attention_heads)
+    return [(d, d, "none", False, False), (kv, d, "none", False, False),
+            (2 * ff, d, "swiglu", False, True), (d, ff, "none", True, False),
+            (config.vocab_size, d, "none", False, False)]
+
+
+def precompile_start(config, impls, ms):
+    """Compile every autotune candidate of the static qfuse impls' GEMMs at the M buckets of
+    ``ms`` in a process pool (bench/warm.py), while the models build: autotune then only loads
+    kernels (serially, ~30 candidates x 3 epilogues x 3 buckets x 2 dtypes took minutes)."""
+    import concurrent.futures as cf
+    import dataclasses
+    import multiprocessing as mp
+
+    from warm import Variant, _compile_one
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = []
+    for qname in sorted({QFUSE[i].split("_")[0] for i in impls if QFUSE.get(i, "").endswith(
+            "static")}):
+        for N, K, act, xq, q_out in gemms(config):
+            v = Variant(f"{qname}-{'xq' if xq else 'xf'}", act=act, quantized_out=q_out,
+                        fast_act=act != "none")
+            for M in ms:
+                for cfg in tuning.runnable_candidates(M, N, K, v.kind, sms, act != "none"):
+                    jobs.append((v, dataclasses.asdict(cfg)))
+    jobs = list(dict.fromkeys((v, tuple(sorted(c.items()))) for v, c in jobs))
+    pool = cf.ProcessPoolExecutor(min(14, os.cpu_count() or 4),
+                                  mp_context=mp.get_context("spawn"))
+    futures = [pool.submit(_compile_one, (v, dict(c))) for v, c in jobs]
+    return pool, futures, time.time()
+
+
+def precompile_wait(started) -> dict:
+    pool, futures, t0 = started
+    errors = [e for e in (f.result() for f in futures) if e]
+    pool.shutdown()
+    info = dict(kernels=len(futures), failed=len(errors), wall_s=round(time.time() - t0, 1),
+                errors=errors[:5])
+    print(f"precompile: {info}", flush=True)
+    return info
+
+
 def build(shape: str, device: str, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -369,6 +417,11 @@ def main(argv=None):
     rows: list[dict] = []
     tuning.REPORTS = []  # every autotune's timings (decode buckets: cold L2) go in the JSON
     bf16 = build(shape, device, torch.bfloat16)
+    prompt, slots = PROMPT[shape], PROMPT[shape] + SLACK[shape]
+    batches = [int(b) for b in args.batches.split(",")]
+    ms = sorted({b if ph == "decode" else prompt for ph, b, mode, _ in PLANS[args.plan]
+                 if mode in modes and (ph == "prefill" or b in batches)})
+    warm = precompile_start(bf16.config, impls, ms) if device == "cuda" else None
     models, build_s = {"bf16": bf16}, {}
     for impl in impls:
         if impl == "bf16":
@@ -385,8 +438,7 @@ def main(argv=None):
             print(rows[-1], flush=True)
         build_s[impl] = round(time.time() - t0, 1)
     print(f"built {sorted(models)} in {build_s}", flush=True)
-    prompt, slots = PROMPT[shape], PROMPT[shape] + SLACK[shape]
-    batches = [int(b) for b in args.batches.split(",")]
+    precompiled = precompile_wait(warm) if warm is not None else None
     steps, refs = {}, {}
     with torch.no_grad():
         for phase, batch, mode, group in PLANS[args.plan]:
@@ -424,7 +476,7 @@ def main(argv=None):
     add_ratios(rows)
     meta = dict(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
                 build_s=build_s, wall_s=round(time.time() - t_start, 1),
-                plan=args.plan, autotune=tuning.REPORTS,
+                plan=args.plan, precompile=precompiled, autotune=tuning.REPORTS,
                 note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
     harness.write_results(out_path, rows, extra=meta)
     print(table(rows))

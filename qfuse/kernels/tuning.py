@@ -99,12 +99,15 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
         bm = max(16, b)
         shapes = ((64, 256, 4), (128, 256, 3), (128, 128, 5))
         if bm <= 32:  # 512-wide K tiles of a 64-row x overflow shared memory (262 KB > 227 KB)
-            shapes += ((64, 512, 3),)
+            # 32-column tiles: twice the programs on the narrow decode GEMMs (N = 2048 is 32
+            # tiles of 64 on 132 SMs) without deeper split-K reductions.
+            shapes += ((64, 512, 3), (32, 512, 3), (32, 256, 4))
         pre = []
         for bn, bk, stages in shapes:
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
             split = _split_for(tiles, triton.cdiv(K, bk), sms)
-            for s in sorted({split, max(1, split // 2), split * 2}):
+            splits = {split, split * 2} if bn == 32 else {split, max(1, split // 2), split * 2}
+            for s in sorted(splits):
                 if s == 1 or triton.cdiv(K, bk) // s >= 2:
                     out.append(GemmConfig(bm, bn, bk, split_k=s, num_stages=stages))
             pre.append(GemmConfig(bm, bn, bk, split_k=split, num_stages=stages, prequantize=True))
@@ -356,7 +359,7 @@ def pick_config(
         # Weight-streaming buckets (decode) are timed with a cold L2: see device_time_ms.
         cold = m_bucket(M) <= WEIGHT_STREAMING
         report: list | None = [] if REPORTS is not None else None
-        cfg = autotune(run, cands, report, cold) if tune else cands[0]
+        cfg = autotune(run, cands, report, cold=cold) if tune else cands[0]
         if tune:
             _write_cache(key, cfg)
         if report is not None:
