@@ -421,7 +421,12 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
     ms = sorted({b if ph == "decode" else prompt for ph, b, mode, _ in PLANS[args.plan]
                  if mode in modes and (ph == "prefill" or b in batches)})
-    warm = precompile_start(bf16.config, impls, ms) if device == "cuda" else None
+    warm = None
+    if device == "cuda":
+        try:
+            warm = precompile_start(bf16.config, impls, ms)
+        except Exception as exc:  # noqa: BLE001 — autotune then compiles as it goes
+            print(f"precompile not started: {harness.error_text(exc)}", flush=True)
     models, build_s = {"bf16": bf16}, {}
     for impl in impls:
         if impl == "bf16":

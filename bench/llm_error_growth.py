@@ -3,9 +3,13 @@ the error a layer adds on its own (float input into the quantized layer) against
 residual stream carries after it (quantized all the way), for int8 static and int8 weight-only.
 
     PYTHONPATH=. python bench/llm_error_growth.py --out bench/results/llm_error_growth_cpu.json
+    PYTHONPATH=. python bench/llm_error_growth.py --layers 2 --configs int8_static \
+        --out bench/results/llm_error_growth_gemms_cpu.json   # layer 0's GEMMs, in seconds
 
-Runs on the CPU (the reference kernels, fp32 model) in a few minutes; ``--layers`` and
-``--init`` (LlamaConfig.initializer_range, HF's default 0.02) change the model.
+Runs on the CPU (the reference kernels, fp32 model), ~10 minutes for 22 layers; ``--layers``
+and ``--inits`` (LlamaConfig.initializer_range, HF's default 0.02) change the model. Per
+config it also gives layer 0's GEMMs one by one (``gemm_errors``): input and weight
+quantization error and the input's peak-to-RMS ratio.
 """
 
 from __future__ import annotations
@@ -87,6 +91,46 @@ def measure(model, qmodel, ids) -> dict:
                 logit_std=last.std().item(), top1_top2_gap=(top2[0] - top2[1]).item())
 
 
+def gemm_errors(model, qmodel, ids, layer: int = 0) -> list[dict]:
+    """Per GEMM of decoder layer ``layer``: the relative error of its input after int8
+    quantization with the converted layer's static scale (down: the scale gate/up's epilogue
+    quantizes the SwiGLU product with) and per token (dynamic), of its per-channel int8
+    weight, and the input's peak-to-RMS ratio (what a per-tensor scale has to span)."""
+    inputs = {}
+    prefix = f"model.layers.{layer}."
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: inputs.setdefault(n, a[0]))
+             for n, m in model.named_modules() if n.startswith(prefix)
+             and isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    q = dict(qmodel.named_modules())
+    rows = []
+    for name, x in inputs.items():
+        short = name[len(prefix):]
+        gate_up = q.get(name.rsplit(".", 1)[0] + ".gate_up")
+        if short.endswith(("gate_proj", "up_proj")):
+            mod, rows_of = gate_up, slice(0 if short.endswith("gate_proj") else 1, None, 2)
+            inv = mod.x_inv_scale
+        elif short.endswith("down_proj"):
+            mod, rows_of = q[name.rsplit(".", 1)[0] + ".down"], slice(None)
+            inv = gate_up.out_inv_scale
+        else:
+            mod, rows_of, inv = q[name], slice(None), q[name].x_inv_scale
+        x = x.double().flatten(0, -2)
+        static = (x * inv).round().clamp(-128, 127) / inv
+        amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        dynamic = (x * 127 / amax).round() * amax / 127
+        w = model.get_submodule(name).weight.double()
+        wq = mod.qweight if hasattr(mod, "qweight") else mod.weight
+        w_deq = wq[rows_of].double() * mod.weight_scale[rows_of].double()[:, None]
+        rows.append(dict(gemm=short, x_static_rel_err=rel(static, x),
+                         x_dynamic_rel_err=rel(dynamic, x), w_rel_err=rel(w_deq, w),
+                         x_peak_over_rms=(x.abs().max() / x.pow(2).mean().sqrt()).item()))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=22)
@@ -107,13 +151,14 @@ def main(argv=None):
             t0 = time.time()
             qmodel = quantized(model, getattr(qfuse.QConfig, name)(), calib)
             res = dict(init=init, config=name, **measure(model, qmodel, ids),
-                       wall_s=round(time.time() - t0, 1))
+                       gemms=gemm_errors(model, qmodel, ids), wall_s=round(time.time() - t0, 1))
             results.append(res)
             print(f"init {init} {name}: logits rel err {res['logits_rel_err']:.3f}, argmax "
                   f"agree {res['argmax_agree']:.2f}, gap {res['top1_top2_gap']:.3f} "
                   f"({res['wall_s']} s)", flush=True)
-            for r in res["layers"]:
-                print("   " + " ".join(f"{k}={v:.4g}" for k, v in r.items()), flush=True)
+            for r in res["layers"] + res["gemms"]:
+                print("   " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in r.items()), flush=True)
             harness.write_results(args.out, results, extra=dict(layers=args.layers,
                                                                 seq=args.seq))
             del qmodel
