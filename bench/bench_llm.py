@@ -28,9 +28,11 @@ Every row's logits are checked against bf16 eager (relative error gate, and the 
 tokens that agree) before it is timed (``do_bench`` median); rows that fail carry ``error``.
 Rows run in ``PLANS[--plan]`` order, most important first, while ``--budget-s`` lasts; rows
 left out say so.
-Each timed row of batch 1 and prefill gets a ``breakdown`` (GPU microseconds per kernel class:
+Each timed bf16 and qfuse row gets a ``breakdown`` (GPU microseconds per kernel class:
 quantized GEMM, GEMM, attention, norm, quantize, other) and its top kernels (torch.profiler),
-which explain where a loss comes from.
+which explain where a loss comes from; the JSON also holds each model's GEMM weight bytes (a
+decode step streams them: bytes / GEMM time is the bandwidth reached), every autotune's
+timings, and ``targets``: the fastest qfuse row against each of issue #14's baselines.
 """
 
 from __future__ import annotations
@@ -372,6 +374,48 @@ def add_ratios(rows) -> None:
             r["x_torchao_best"] = round(min(ao) / r["median_us"], 3)
 
 
+TARGETS = (  # issue #14: (phase, batch, baseline, its impls and modes, the ratio asked for)
+    ("decode", 1, "bf16 best", ("bf16",), None, 1.6),
+    ("decode", 1, "torchao best", TORCHAO, None, 1.2),
+    ("prefill", 1, "bf16 compiled", ("bf16",), "compile", 1.3),
+)
+
+
+def targets(rows) -> list[dict]:
+    """The fastest qfuse row against each target's baseline, as measured in this run."""
+    out = []
+    for phase, batch, name, impls, mode, want in TARGETS:
+        timed = [r for r in rows if r["phase"] == phase and r["batch"] == batch
+                 and "median_us" in r]
+        ours = [r for r in timed if r["impl"].startswith("qfuse")]
+        base = [r for r in timed if r["impl"] in impls and mode in (None, r["mode"])]
+        if not ours or not base:
+            out.append(dict(target=f"{phase} batch {batch} vs {name}", want=want,
+                            result="not measured in this run"))
+            continue
+        q = min(ours, key=lambda r: r["median_us"])
+        b = min(base, key=lambda r: r["median_us"])
+        x = b["median_us"] / q["median_us"]
+        out.append(dict(target=f"{phase} batch {batch} vs {name}", want=want, x=round(x, 3),
+                        met=x >= want, qfuse=f"{q['impl']} {q['mode']} {q['median_us']:.0f} us",
+                        baseline=f"{b['impl']} {b['mode']} {b['median_us']:.0f} us"))
+    return out
+
+
+def weight_bytes(model) -> int | None:
+    """Bytes of the decoder's and LM head's GEMM weights (what a decode step streams); None
+    for torchao's tensor subclasses, whose storage this does not see."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("QLinear"):
+            w = module._buffers.get("weight")
+            w = w if w is not None else module._parameters.get("weight").data
+            if type(w) is not torch.Tensor:
+                return None
+            total += w.numel() * w.element_size()
+    return total
+
+
 def table(rows) -> str:
     lines = ["| phase | batch | impl | mode | µs | tokens/s | × bf16 same mode | × bf16 best | "
              "× torchao best | rel err | argmax agree |", "|---" * 11 + "|"]
@@ -479,12 +523,17 @@ def main(argv=None):
                     else:
                         os.environ["QFUSE_AUTOTUNE"] = tune
     add_ratios(rows)
+    goals = targets(rows)
     meta = dict(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
                 build_s=build_s, wall_s=round(time.time() - t_start, 1),
-                plan=args.plan, precompile=precompiled, autotune=tuning.REPORTS,
+                plan=args.plan, targets=goals, precompile=precompiled,
+                weight_bytes={k: weight_bytes(m) for k, m in models.items()},
+                autotune=tuning.REPORTS,
                 note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
     harness.write_results(out_path, rows, extra=meta)
     print(table(rows))
+    for goal in goals:
+        print(goal, flush=True)
     print(f"wrote {out_path}")
     return rows
 
@@ -509,7 +558,7 @@ def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:
         print(rows[-1], flush=True)
     else:
         run_row(rows, out_path, impl, mode, step, replay, ref, gate,
-                fn if step.batch == 1 else None)
+                fn if impl == "bf16" or impl.startswith("qfuse") else None)
     finally:
         for layer in layers:  # back to eager for the next rows
             layer._compiled_call_impl = None

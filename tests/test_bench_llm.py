@@ -28,6 +28,9 @@ def test_tiny_run_writes_checked_rows(tmp_path):
         assert 0 <= r["max_rel_err"] <= 0.25 and 0 <= r["argmax_agree"] <= 1
     bf16 = next(r for r in rows if r["impl"] == "bf16" and r["phase"] == "decode")
     assert bf16["max_rel_err"] == 0 and bf16["x_bf16"] == 1.0
+    assert data["weight_bytes"]["qfuse_int8"] * 2 == data["weight_bytes"]["bf16"]  # int8: half
+    (vs_bf16,) = [t for t in data["targets"] if t["target"] == "decode batch 1 vs bf16 best"]
+    assert vs_bf16["want"] == 1.6 and vs_bf16["met"] == (vs_bf16["x"] >= 1.6)
     q = next(r for r in rows if r["impl"] == "qfuse_int8" and r["phase"] == "decode")
     assert q["max_rel_err"] > 0  # quantized logits differ from bf16: the check looked at them
     assert abs(q["x_bf16"] - bf16["median_us"] / q["median_us"]) < 1e-2
