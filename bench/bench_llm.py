@@ -152,17 +152,13 @@ def gemms(config) -> list[tuple[int, int, str, bool, bool]]:
             (config.vocab_size, d, "none", False, False)]
 
 
-def precompile_start(config, impls, ms):
-    """Compile every autotune candidate of the static qfuse impls' GEMMs at the M buckets of
-    ``ms`` in a process pool (bench/warm.py), while the models build: autotune then only loads
-    kernels (serially, ~30 candidates x 3 epilogues x 3 buckets x 2 dtypes took minutes)."""
-    import concurrent.futures as cf
+def precompile_jobs(config, impls, ms, sms: int) -> list:
+    """``(warm.Variant, schedule items)`` for every autotune candidate of the static qfuse
+    impls' GEMMs at the M buckets of ``ms``, each once."""
     import dataclasses
-    import multiprocessing as mp
 
-    from warm import Variant, _compile_one
+    from warm import Variant
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = []
     for qname in sorted({QFUSE[i].split("_")[0] for i in impls if QFUSE.get(i, "").endswith(
             "static")}):
@@ -172,7 +168,20 @@ def precompile_start(config, impls, ms):
             for M in ms:
                 for cfg in tuning.runnable_candidates(M, N, K, v.kind, sms, act != "none"):
                     jobs.append((v, dataclasses.asdict(cfg)))
-    jobs = list(dict.fromkeys((v, tuple(sorted(c.items()))) for v, c in jobs))
+    return list(dict.fromkeys((v, tuple(sorted(c.items()))) for v, c in jobs))
+
+
+def precompile_start(config, impls, ms):
+    """Compile every autotune candidate of the static qfuse impls' GEMMs at the M buckets of
+    ``ms`` in a process pool (bench/warm.py), while the models build: autotune then only loads
+    kernels (serially, ~30 candidates x 3 epilogues x 3 buckets x 2 dtypes took minutes)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from warm import _compile_one
+
+    jobs = precompile_jobs(config, impls, ms, torch.cuda.get_device_properties(0)
+                           .multi_processor_count)
     pool = cf.ProcessPoolExecutor(min(14, os.cpu_count() or 4),
                                   mp_context=mp.get_context("spawn"))
     futures = [pool.submit(_compile_one, (v, dict(c))) for v, c in jobs]
