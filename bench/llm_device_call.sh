@@ -5,8 +5,8 @@
 # tests:   the gated GEMM kernel and generate() on the GPU (pytest), bench/generate_parity.py
 # graph:   bench_llm's "graph" plan (CUDA-graphed eager steps, every batch); autotune picks land
 #          in $OUT/qcache/tuning.json: copy it to bench/results/qcache_h200/ for "compile"
-# compile: bench_llm's "compile" plan (torch.compile per decoder layer + CUDA graph), reading
-#          those picks (a compiled call cannot autotune: it would run untuned first candidates)
+# compile: bench_llm's "compile" plan (torch.compile per decoder layer + CUDA graph); with
+#          those picks no qfuse row autotunes again (each runs one eager step first otherwise)
 # A bench phase starts no row after 370 s of the call (its --budget-s), so a call ends in time.
 set -o pipefail
 T0=$(date +%s)
