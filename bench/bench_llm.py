@@ -26,11 +26,13 @@ does, without a second compilation).
 
 Every row's logits are checked against bf16 eager (relative error gate, and the share of argmax
 tokens that agree) before it is timed (``do_bench`` median); rows that fail carry ``error``.
-Rows run in ``PLAN`` order, most important first, while ``--budget-s`` lasts; rows left out say
-so.
-Each timed row of batch 1 and prefill gets a ``breakdown`` (GPU microseconds per kernel class:
+Rows run in ``PLANS[--plan]`` order, most important first, while ``--budget-s`` lasts; rows
+left out say so.
+Each timed bf16 and qfuse row gets a ``breakdown`` (GPU microseconds per kernel class:
 quantized GEMM, GEMM, attention, norm, quantize, other) and its top kernels (torch.profiler),
-which explain where a loss comes from.
+which explain where a loss comes from; the JSON also holds each model's GEMM weight bytes (a
+decode step streams them: bytes / GEMM time is the bandwidth reached), every autotune's
+timings, and ``targets``: the fastest qfuse row against each of issue #14's baselines.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import harness  # noqa: E402
 from bench_models import graphed  # noqa: E402
 
 import qfuse  # noqa: E402
+from qfuse.kernels import tuning  # noqa: E402
 
 SHAPES = {
     # TinyLlama-1.1B (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads).
@@ -82,32 +85,40 @@ STATIC = ("bf16", *TORCHAO, "qfuse_int8", "qfuse_fp8")
 # to a previous error during capture") and left the context unusable: it runs compiled only.
 GRAPHABLE = tuple(i for i in STATIC if i != "torchao_int8dq")
 DYNAMIC = ("qfuse_int8_dyn", "qfuse_fp8_dyn")
-# What runs, most important first, while --budget-s lasts: (phase, batch, mode, impls). Eager and
-# graph rows are cheap; a compile row compiles one decoder layer and reuses it (compile_layers).
+# What runs, most important first, while --budget-s lasts: (phase, batch, mode, impls). Two
+# plans, one per device call (a 420 s call holds one): "graph" (the eager step CUDA-graphed:
+# cheap rows, every batch) and "compile" (a compile row compiles one decoder layer, ~20-40 s,
+# and reuses it for the other 21: compile_layers). "all" runs both.
 # Dynamic qfuse layers run their first schedule candidate (QFUSE_AUTOTUNE=0): autotuning
 # compiles every candidate, ~20 per M bucket and kind, and the device time is short.
-PLAN = (
-    ("decode", 1, "eager", ("bf16", "torchao_int8wo", "qfuse_int8")),
-    ("decode", 1, "graph", (*GRAPHABLE, "qfuse_int8_split")),
-    ("decode", 1, "compile", ("bf16", "qfuse_int8", "torchao_int8wo")),
-    ("prefill", 1, "graph", GRAPHABLE),
-    ("prefill", 1, "compile", ("bf16", "qfuse_int8")),
-    ("decode", 32, "graph", GRAPHABLE),
-    ("decode", 1, "graph", DYNAMIC),
-    ("decode", 8, "graph", GRAPHABLE),
-    ("decode", 1, "compile", ("qfuse_fp8", "torchao_fp8", "torchao_int8dq")),
-    ("decode", 32, "compile", ("bf16", "qfuse_int8")),
-    ("prefill", 1, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8")),
-    ("prefill", 1, "graph", DYNAMIC),
-    ("decode", 8, "compile", ("bf16", "qfuse_int8")),
-    ("decode", 32, "graph", DYNAMIC),
-    ("decode", 32, "compile", ("qfuse_fp8", "torchao_int8dq", "torchao_fp8", "torchao_int8wo")),
-    ("decode", 8, "compile", ("qfuse_fp8", "torchao_int8wo", "torchao_int8dq", "torchao_fp8")),
-    ("decode", 1, "compile", DYNAMIC),
-    ("decode", 1, "eager", ("torchao_int8dq", "torchao_fp8", "qfuse_fp8", *DYNAMIC)),
-    ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
-    ("decode", 32, "eager", ("bf16", "qfuse_int8")),
-)
+MAIN = ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo", "torchao_fp8")
+PLANS = {
+    "graph": (
+        ("decode", 1, "graph", MAIN),
+        ("prefill", 1, "graph", MAIN),
+        ("decode", 8, "graph", MAIN),
+        ("decode", 32, "graph", MAIN),
+        ("decode", 1, "graph", (*DYNAMIC, "qfuse_int8_split")),
+        ("decode", 1, "eager", ("bf16", "qfuse_int8", "torchao_int8wo")),
+        ("decode", 32, "graph", DYNAMIC),
+        ("prefill", 1, "graph", DYNAMIC),
+        ("prefill", 1, "eager", ("bf16", "qfuse_int8", "qfuse_fp8")),
+        ("decode", 32, "eager", ("bf16", "qfuse_int8", *DYNAMIC)),
+        ("decode", 1, "eager", DYNAMIC),
+    ),
+    "compile": (
+        ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo")),
+        ("prefill", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
+        ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
+        ("decode", 1, "compile", ("torchao_fp8", "torchao_int8dq")),
+        ("prefill", 1, "compile", ("torchao_fp8", "torchao_int8wo")),
+        ("decode", 32, "compile", ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo",
+                                   "torchao_fp8")),
+        ("decode", 8, "compile", ("bf16", "qfuse_int8", "qfuse_fp8", "torchao_int8wo")),
+        ("decode", 1, "compile", DYNAMIC),
+    ),
+}
+PLANS["all"] = PLANS["graph"] + PLANS["compile"]
 
 # Kernel classes by name, first match wins. Inductor names fused kernels after their ops (a
 # fused RMSNorm has rsqrt in its name); cuBLAS on Hopper names GEMMs nvjet_* / gemv*.
@@ -128,6 +139,63 @@ def classify(name: str) -> str:
         if any(k in low for k in keys):
             return cls
     return "other"
+
+
+def gemms(config) -> list[tuple[int, int, str, bool, bool]]:
+    """(N, K, activation, int8/fp8 input, int8/fp8 output) of each distinct GEMM the converted
+    model runs: Q, K/V and O read bf16 (quantized in the prologue), gate/up writes the SwiGLU
+    product quantized for down, the LM head."""
+    d, ff = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (d // config.num_attention_heads)
+    return [(d, d, "none", False, False), (kv, d, "none", False, False),
+            (2 * ff, d, "swiglu", False, True), (d, ff, "none", True, False),
+            (config.vocab_size, d, "none", False, False)]
+
+
+def precompile_jobs(config, impls, ms, sms: int) -> list:
+    """``(warm.Variant, schedule items)`` for every autotune candidate of the static qfuse
+    impls' GEMMs at the M buckets of ``ms``, each once."""
+    import dataclasses
+
+    from warm import Variant
+
+    jobs = []
+    for qname in sorted({QFUSE[i].split("_")[0] for i in impls if QFUSE.get(i, "").endswith(
+            "static")}):
+        for N, K, act, xq, q_out in gemms(config):
+            v = Variant(f"{qname}-{'xq' if xq else 'xf'}", act=act, quantized_out=q_out,
+                        fast_act=act != "none")
+            for M in ms:
+                for cfg in tuning.runnable_candidates(M, N, K, v.kind, sms, act != "none"):
+                    jobs.append((v, dataclasses.asdict(cfg)))
+    return list(dict.fromkeys((v, tuple(sorted(c.items()))) for v, c in jobs))
+
+
+def precompile_start(config, impls, ms):
+    """Compile every autotune candidate of the static qfuse impls' GEMMs at the M buckets of
+    ``ms`` in a process pool (bench/warm.py), while the models build: autotune then only loads
+    kernels (serially, ~30 candidates x 3 epilogues x 3 buckets x 2 dtypes took minutes)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from warm import _compile_one
+
+    jobs = precompile_jobs(config, impls, ms, torch.cuda.get_device_properties(0)
+                           .multi_processor_count)
+    pool = cf.ProcessPoolExecutor(min(14, os.cpu_count() or 4),
+                                  mp_context=mp.get_context("spawn"))
+    futures = [pool.submit(_compile_one, (v, dict(c))) for v, c in jobs]
+    return pool, futures, time.time()
+
+
+def precompile_wait(started) -> dict:
+    pool, futures, t0 = started
+    errors = [e for e in (f.result() for f in futures) if e]
+    pool.shutdown()
+    info = dict(kernels=len(futures), failed=len(errors), wall_s=round(time.time() - t0, 1),
+                errors=errors[:5])
+    print(f"precompile: {info}", flush=True)
+    return info
 
 
 def build(shape: str, device: str, dtype: torch.dtype):
@@ -315,6 +383,48 @@ def add_ratios(rows) -> None:
             r["x_torchao_best"] = round(min(ao) / r["median_us"], 3)
 
 
+TARGETS = (  # issue #14: (phase, batch, baseline, its impls and modes, the ratio asked for)
+    ("decode", 1, "bf16 best", ("bf16",), None, 1.6),
+    ("decode", 1, "torchao best", TORCHAO, None, 1.2),
+    ("prefill", 1, "bf16 compiled", ("bf16",), "compile", 1.3),
+)
+
+
+def targets(rows) -> list[dict]:
+    """The fastest qfuse row against each target's baseline, as measured in this run."""
+    out = []
+    for phase, batch, name, impls, mode, want in TARGETS:
+        timed = [r for r in rows if r["phase"] == phase and r["batch"] == batch
+                 and "median_us" in r]
+        ours = [r for r in timed if r["impl"].startswith("qfuse")]
+        base = [r for r in timed if r["impl"] in impls and mode in (None, r["mode"])]
+        if not ours or not base:
+            out.append(dict(target=f"{phase} batch {batch} vs {name}", want=want,
+                            result="not measured in this run"))
+            continue
+        q = min(ours, key=lambda r: r["median_us"])
+        b = min(base, key=lambda r: r["median_us"])
+        x = b["median_us"] / q["median_us"]
+        out.append(dict(target=f"{phase} batch {batch} vs {name}", want=want, x=round(x, 3),
+                        met=x >= want, qfuse=f"{q['impl']} {q['mode']} {q['median_us']:.0f} us",
+                        baseline=f"{b['impl']} {b['mode']} {b['median_us']:.0f} us"))
+    return out
+
+
+def weight_bytes(model) -> int | None:
+    """Bytes of the decoder's and LM head's GEMM weights (what a decode step streams); None
+    for torchao's tensor subclasses, whose storage this does not see."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("QLinear"):
+            w = module._buffers.get("weight")
+            w = w if w is not None else module._parameters.get("weight").data
+            if type(w) is not torch.Tensor:
+                return None
+            total += w.numel() * w.element_size()
+    return total
+
+
 def table(rows) -> str:
     lines = ["| phase | batch | impl | mode | µs | tokens/s | × bf16 same mode | × bf16 best | "
              "× torchao best | rel err | argmax agree |", "|---" * 11 + "|"]
@@ -338,6 +448,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--gate", type=float, default=0.7, help="max rel err of quantized logits")
     ap.add_argument("--budget-s", type=float, default=1e9, help="no row starts after this")
+    ap.add_argument("--plan", default="all", choices=sorted(PLANS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -349,13 +460,26 @@ def main(argv=None):
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
         raise SystemExit(f"unknown impls {unknown}; choose from {IMPLS}")
+    planned = {i for _, _, mode, group in PLANS[args.plan] if mode in modes for i in group}
+    impls = [i for i in impls if i in planned or i == "bf16"]  # build only what will run
     if args.out:
         out_path = args.out
     else:
         gpu = torch.cuda.get_device_name().split()[-1].lower()
         out_path = str(Path(__file__).parent / "results" / f"llm_{gpu}.json")
     rows: list[dict] = []
+    tuning.REPORTS = []  # every autotune's timings (decode buckets: cold L2) go in the JSON
     bf16 = build(shape, device, torch.bfloat16)
+    prompt, slots = PROMPT[shape], PROMPT[shape] + SLACK[shape]
+    batches = [int(b) for b in args.batches.split(",")]
+    ms = sorted({b if ph == "decode" else prompt for ph, b, mode, _ in PLANS[args.plan]
+                 if mode in modes and (ph == "prefill" or b in batches)})
+    warm = None
+    if device == "cuda":
+        try:
+            warm = precompile_start(bf16.config, impls, ms)
+        except Exception as exc:  # noqa: BLE001 — autotune then compiles as it goes
+            print(f"precompile not started: {harness.error_text(exc)}", flush=True)
     models, build_s = {"bf16": bf16}, {}
     for impl in impls:
         if impl == "bf16":
@@ -372,11 +496,10 @@ def main(argv=None):
             print(rows[-1], flush=True)
         build_s[impl] = round(time.time() - t0, 1)
     print(f"built {sorted(models)} in {build_s}", flush=True)
-    prompt, slots = PROMPT[shape], PROMPT[shape] + SLACK[shape]
-    batches = [int(b) for b in args.batches.split(",")]
+    precompiled = precompile_wait(warm) if warm is not None else None
     steps, refs = {}, {}
     with torch.no_grad():
-        for phase, batch, mode, group in PLAN:
+        for phase, batch, mode, group in PLANS[args.plan]:
             if mode not in modes or (phase == "decode" and batch not in batches):
                 continue
             if (phase, batch) not in steps:
@@ -409,11 +532,17 @@ def main(argv=None):
                     else:
                         os.environ["QFUSE_AUTOTUNE"] = tune
     add_ratios(rows)
+    goals = targets(rows)
     meta = dict(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
                 build_s=build_s, wall_s=round(time.time() - t_start, 1),
+                plan=args.plan, targets=goals, precompile=precompiled,
+                weight_bytes={k: weight_bytes(m) for k, m in models.items()},
+                autotune=tuning.REPORTS,
                 note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
     harness.write_results(out_path, rows, extra=meta)
     print(table(rows))
+    for goal in goals:
+        print(goal, flush=True)
     print(f"wrote {out_path}")
     return rows
 
@@ -427,6 +556,11 @@ def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:
         return
     layers = list(model.model.layers)
     if mode == "compile":
+        if impl.startswith("qfuse"):
+            # One eager step first: it autotunes this M bucket's schedules (or reads them from
+            # the cache), which the compiled layers then use; a traced call cannot time
+            # candidates and would take each list's first.
+            fn()
         torch._dynamo.reset()
         compile_layers(layers)
     try:
@@ -438,7 +572,7 @@ def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:
         print(rows[-1], flush=True)
     else:
         run_row(rows, out_path, impl, mode, step, replay, ref, gate,
-                fn if step.batch == 1 else None)
+                fn if impl == "bf16" or impl.startswith("qfuse") else None)
     finally:
         for layer in layers:  # back to eager for the next rows
             layer._compiled_call_impl = None

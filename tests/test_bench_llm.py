@@ -28,6 +28,9 @@ def test_tiny_run_writes_checked_rows(tmp_path):
         assert 0 <= r["max_rel_err"] <= 0.25 and 0 <= r["argmax_agree"] <= 1
     bf16 = next(r for r in rows if r["impl"] == "bf16" and r["phase"] == "decode")
     assert bf16["max_rel_err"] == 0 and bf16["x_bf16"] == 1.0
+    assert data["weight_bytes"]["qfuse_int8"] * 2 == data["weight_bytes"]["bf16"]  # int8: half
+    (vs_bf16,) = [t for t in data["targets"] if t["target"] == "decode batch 1 vs bf16 best"]
+    assert vs_bf16["want"] == 1.6 and vs_bf16["met"] == (vs_bf16["x"] >= 1.6)
     q = next(r for r in rows if r["impl"] == "qfuse_int8" and r["phase"] == "decode")
     assert q["max_rel_err"] > 0  # quantized logits differ from bf16: the check looked at them
     assert abs(q["x_bf16"] - bf16["median_us"] / q["median_us"]) < 1e-2
@@ -46,3 +49,20 @@ def test_kernel_classes():
     assert bench_llm.classify("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "GEMM"
     assert bench_llm.classify("pytorch_flash::flash_fwd_kernel") == "attention"
     assert bench_llm.classify("triton_poi_fused_mul_silu_3") == "other"
+
+
+def test_precompile_covers_the_static_impls_gemms():
+    """The GPU run compiles every autotune candidate up front (in a pool, while models build):
+    the gated gate/up writing int8/fp8 for down, down reading it, and the bf16-input layers, at
+    each planned M bucket; dynamic impls run untuned and need none."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**bench_llm.SHAPES["tinyllama"])
+    jobs = bench_llm.precompile_jobs(config, ["bf16", "qfuse_int8", "qfuse_fp8_dyn"],
+                                     [1, 512], sms=132)
+    kinds = {(v.kind, v.act, v.quantized_out) for v, _ in jobs}
+    assert kinds == {("int8-xf", "none", False), ("int8-xf", "swiglu", True),
+                     ("int8-xq", "none", False)}
+    blocks = {dict(c)["block_m"] for _, c in jobs}
+    assert 16 in blocks and max(blocks) >= 64  # decode and prefill schedules
+    assert len(jobs) == len(set(jobs))

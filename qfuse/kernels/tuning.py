@@ -45,6 +45,10 @@ class GemmConfig:
 
 
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Buckets up to this M stream weights (decode): autotune times them with a cold L2.
+WEIGHT_STREAMING = 64
+# A list to collect every autotune's timings in (benchmarks set it; None: not kept).
+REPORTS: list[dict] | None = None
 
 # The interpreter runs programs one by one in numpy: few, large programs are fastest there.
 INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=64, block_k=128, num_stages=1)
@@ -95,12 +99,15 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
         bm = max(16, b)
         shapes = ((64, 256, 4), (128, 256, 3), (128, 128, 5))
         if bm <= 32:  # 512-wide K tiles of a 64-row x overflow shared memory (262 KB > 227 KB)
-            shapes += ((64, 512, 3),)
+            # 32-column tiles: twice the programs on the narrow decode GEMMs (N = 2048 is 32
+            # tiles of 64 on 132 SMs) without deeper split-K reductions.
+            shapes += ((64, 512, 3), (32, 512, 3), (32, 256, 4))
         pre = []
         for bn, bk, stages in shapes:
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
             split = _split_for(tiles, triton.cdiv(K, bk), sms)
-            for s in sorted({split, max(1, split // 2), split * 2}):
+            splits = {split, split * 2} if bn == 32 else {split, max(1, split // 2), split * 2}
+            for s in sorted(splits):
                 if s == 1 or triton.cdiv(K, bk) // s >= 2:
                     out.append(GemmConfig(bm, bn, bk, split_k=s, num_stages=stages))
             pre.append(GemmConfig(bm, bn, bk, split_k=split, num_stages=stages, prequantize=True))
@@ -176,7 +183,8 @@ def _write_cache(key: str, cfg: GemmConfig) -> None:
         pass  # a read-only home is not an error: the process keeps its in-memory choice
 
 
-def device_time_ms(fn: Callable[[], object], calls: int = 8, replays: int = 9) -> float:
+def device_time_ms(fn: Callable[[], object], calls: int = 8, replays: int = 9,
+                   cold: bool = False) -> float:
     """GPU time of one ``fn()`` in ms: ``calls`` calls captured in one CUDA graph, the median of
     ``replays`` timed replays divided by ``calls``.
 
@@ -185,9 +193,39 @@ def device_time_ms(fn: Callable[[], object], calls: int = 8, replays: int = 9) -
     on the H200 every schedule of MiniLM's 4096x384x384 GEMM "took" 55-59 us, and autotune
     picked among them by noise. A graph replays the kernels back to back with no host work.
     Weights stay in L2 between calls (no flush), as a model's small layers mostly do.
+
+    ``cold=True``: L2 is flushed (a buffer of twice its size zeroed) before each call and the
+    flushes' own time subtracted: what a decode step sees, where every GEMM streams weights
+    that the ~1 GB of other layers evicted. Hot, a 4 MB decode weight reads at L2 speed and
+    ranks schedules by how they run from L2, not from HBM.
     """
     fn()  # compile and allocate (split-K locks, caches) outside the capture
     torch.cuda.synchronize()
+    if cold:
+        flush = _flush_buffer()
+        both = _graph_ms(lambda: (flush.zero_(), fn()), calls, replays)
+        return max(both - _graph_ms(flush.zero_, calls, replays), 0.0)
+    return _graph_ms(fn, calls, replays)
+
+
+@functools.cache
+def _flush_bytes(index: int) -> int:
+    return 2 * torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def _flush_buffer() -> torch.Tensor:
+    size = _flush_bytes(torch.cuda.current_device())
+    buf = _FLUSH.get(size)
+    if buf is None:
+        buf = _FLUSH[size] = torch.empty(size, dtype=torch.uint8, device="cuda")
+    return buf
+
+
+_FLUSH: dict[int, torch.Tensor] = {}
+
+
+def _graph_ms(fn: Callable[[], object], calls: int, replays: int) -> float:
+    """Median over ``replays`` of one CUDA-graph replay of ``calls`` calls, per call (ms)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
@@ -205,11 +243,11 @@ def device_time_ms(fn: Callable[[], object], calls: int = 8, replays: int = 9) -
     return times[len(times) // 2] / calls
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
+def _time_ms(fn: Callable[[], object], cold: bool = False) -> float:
     """``device_time_ms``, or ``do_bench``'s median where ``fn`` cannot be graph-captured."""
     fn()  # a schedule that cannot launch raises here, before any capture
     try:
-        return device_time_ms(fn)
+        return device_time_ms(fn, cold=cold)
     except Exception:  # noqa: BLE001 — e.g. a backend that refuses capture: time it eagerly
         torch.cuda.synchronize()
         return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
@@ -219,17 +257,18 @@ def autotune(
     run: Callable[[GemmConfig], object],
     configs: list[GemmConfig],
     report: list | None = None,
+    cold: bool = False,
 ) -> GemmConfig:
-    """The fastest of ``configs`` by GPU time of ``run(cfg)`` (``device_time_ms``; configs that
-    fail to launch, e.g. out of shared memory, are skipped). ``report`` collects
-    ``(cfg, ms or error)``.
+    """The fastest of ``configs`` by GPU time of ``run(cfg)`` (``device_time_ms``, with a cold
+    L2 if ``cold``; configs that fail to launch, e.g. out of shared memory, are skipped).
+    ``report`` collects ``(cfg, ms or error)``.
     Raises ``BackendError`` with every failure when none launched (returning one of them would
     only fail again at the real call, as MiniLM's did in a sweep on the H200)."""
     best, best_us = None, float("inf")
     errors = []
     for cfg in configs:
         try:
-            us = _time_ms(lambda c=cfg: run(c))
+            us = _time_ms(lambda c=cfg: run(c), cold)
         except Exception as exc:  # noqa: BLE001 — resource limits show up only at launch
             errors.append((cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
             if report is not None:
@@ -317,9 +356,15 @@ def pick_config(
             and os.environ.get("QFUSE_AUTOTUNE", "1") != "0"
             and not torch.cuda.is_current_stream_capturing()
         )
-        cfg = autotune(run, cands) if tune else cands[0]
+        # Weight-streaming buckets (decode) are timed with a cold L2: see device_time_ms.
+        cold = m_bucket(M) <= WEIGHT_STREAMING
+        report: list | None = [] if REPORTS is not None else None
+        cfg = autotune(run, cands, report, cold=cold) if tune else cands[0]
         if tune:
             _write_cache(key, cfg)
+        if report is not None:
+            REPORTS.append(dict(key=key, heavy=heavy_epilogue, cold=cold, tuned=tune,
+                                times_ms=[(dataclasses.asdict(c), t) for c, t in report]))
     cfg = for_epilogue(cfg, heavy_epilogue)
     _memory[(key, heavy_epilogue)] = cfg
     return cfg

@@ -54,6 +54,11 @@ VARIANTS = [
     ("*i8", "*i8", "*i8", True, False, 1, 4, "relu", (16, 64, 256), 4, 4, False),
     ("*fp8e4nv", "*bf16", "*fp8e4nv", False, False, 2, 1, "silu", (128, 128, 128), 8, 4, False),
     ("*fp8e4nv", "*fp8e4nv", "*fp16", True, True, 0, 2, "gelu_tanh", (64, 128, 128), 4, 4, False),
+    # gate/up with the SwiGLU epilogue handing int8/fp8 to down: decode (16 rows, 32-column
+    # tiles, split-K) and prefill (a quantized x)
+    ("*i8", "*bf16", "*i8", False, False, 1, 1, "swiglu", (16, 64, 256), 4, 4, False),
+    ("*fp8e4nv", "*bf16", "*fp8e4nv", False, False, 2, 2, "swiglu", (16, 32, 512), 4, 3, False),
+    ("*i8", "*i8", "*i8", True, False, 1, 1, "geglu", (64, 128, 128), 4, 4, False),
     # the persistent kernel (flattened tile loop) with int8 and fp8 hand-offs
     ("*i8", "*i8", "*bf16", True, False, 0, 1, "none", (128, 128, 128), 8, 4, True),
     ("*fp8e4nv", "*fp8e4nv", "*fp8e4nv", True, False, 2, 1, "gelu", (128, 128, 64), 4, 4, True),
@@ -68,7 +73,8 @@ def compile_qlinear(variant) -> dict:
         HAS_X_ZP=not xq and "i8" in w,
         ZP_CORR=not xq and "i8" in w,
         HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=True, OUT_Q=out_q,
-        HAS_OUT_ZP=out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False, FAST_ACT=act == "silu",
+        HAS_OUT_ZP=out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False,
+        FAST_ACT=act in ("silu", "swiglu", "geglu"),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
         EPI_SPLIT=2 if act == "gelu" else 1,
     )

@@ -44,14 +44,17 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    calls = []
+    calls, colds = [], []
 
-    def fake_autotune(run, configs, report=None):
+    def fake_autotune(run, configs, report=None, cold=False):
         calls.append(len(configs))
+        colds.append(cold)
+        if report is not None:
+            report.append((configs[-1], 0.001))
         return configs[-1]
 
     monkeypatch.setattr(tuning, "autotune", fake_autotune)
-    return types.SimpleNamespace(calls=calls, path=tmp_path / "tuning.json")
+    return types.SimpleNamespace(calls=calls, colds=colds, path=tmp_path / "tuning.json")
 
 
 def test_one_autotune_per_bucket_then_cached_on_disk(fake_gpu):
@@ -64,6 +67,19 @@ def test_one_autotune_per_bucket_then_cached_on_disk(fake_gpu):
     tuning._memory.clear()  # a second process: reads the file, does not retune
     again = tuning.pick_config(20, 4096, 4096, "int8-xq", dev, False, run=lambda c: None)
     assert again == picks.pop() and len(fake_gpu.calls) == 1
+
+
+def test_decode_buckets_are_timed_cold_and_reported(fake_gpu, monkeypatch):
+    """M <= 64 streams weights (decode): autotune times with a cold L2; reports are kept when
+    a benchmark asks (tuning.REPORTS)."""
+    monkeypatch.setattr(tuning, "REPORTS", [])
+    dev = torch.device("cpu")
+    for M in (1, 64, 128):
+        tuning.pick_config(M, 2048, 2048, "int8-xf", dev, False, run=lambda c: None)
+    assert fake_gpu.colds == [True, True, False]
+    assert [r["cold"] for r in tuning.REPORTS] == [True, True, False]
+    assert tuning.REPORTS[0]["key"] == "Fake GPU|int8-xf|M16|N2048|K2048"
+    assert tuning.REPORTS[0]["times_ms"][0][1] == 0.001
 
 
 def test_no_autotune_when_disabled(fake_gpu, monkeypatch):
@@ -128,3 +144,15 @@ def test_autotune_raises_when_no_schedule_launches(monkeypatch):
     with pytest.raises(qfuse.errors.BackendError, match="no GEMM schedule could launch"):
         tuning.autotune(run, tuning.candidates(4096, 384, 384, "int8-xq", 132)[:2], report)
     assert len(report) == 2 and all("out of resources" in e for _, e in report)
+
+
+@pytest.mark.gpu
+def test_cold_timing_reads_weights_from_memory():
+    """A 32 MB weight fits the H200's L2: hot, a GEMV reads it from L2; cold (flushed before
+    each call, the flushes' time subtracted) from HBM, slower and bounded by its bandwidth."""
+    w = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    hot = tuning.device_time_ms(lambda: torch.nn.functional.linear(x, w))
+    cold = tuning.device_time_ms(lambda: torch.nn.functional.linear(x, w), cold=True)
+    assert cold > hot
+    assert w.numel() * 2 / (cold * 1e-3) < 6e12  # no faster than ~HBM (4.8 TB/s on an H200)
