@@ -29,7 +29,6 @@ import qfuse  # noqa: E402
 from bench.harness import environment  # noqa: E402
 from tests.zoo_models import CNNS, ZOO, run  # noqa: E402
 
-
 # label -> (config, prepare kwargs). "int8 static" is the symmetric preset; asymmetric
 # activations spend no level on the empty side of one-sided inputs (GELU/ReLU outputs); GPTQ
 # rounds the weights, half of fp8's per-layer noise.

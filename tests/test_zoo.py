@@ -45,7 +45,8 @@ def test_zoo_llama_int8_static_symmetric(tmp_path):
     """The preset (symmetric) on Llama: 3.4% with 16 calibration sequences and a quantized LM
     head; the first tokens' o_proj inputs clipped (see ``run``)."""
     row = run("llama", qfuse.QConfig.int8_static(), save_dir=str(tmp_path))
-    assert row["left_float"] == {"lm_head": LM_HEAD_REASON}
+    assert list(row["left_float"]) == ["lm_head"]
+    assert row["left_float"]["lm_head"].endswith(LM_HEAD_REASON)  # summary: "kept float: ..."
     _judge(row, max_rel=0.03)
 
 
@@ -80,3 +81,18 @@ def test_resnet_as_its_own_class():
     sqnr = layer_sqnr(model, qmodel, inputs)
     assert len(sqnr) == len(qfuse.summary(qmodel).rows) and min(sqnr.values()) >= 20, sqnr
     assert "resnet" in CNNS
+
+
+@pytest.mark.gpu
+def test_resnet_asymmetric_graph_on_cuda():
+    """The fused graph of ResNet with asymmetric activations on the GPU. Measured on the H200
+    (bench/results/zoo_h200.json): rel. error 1.13 against float, while the same graph on CPU
+    gives 0.060, the swapped model on the GPU 0.067, the symmetric graph on the GPU 0.092 (CPU
+    0.090), and the Triton kernels under the interpreter equal the CPU reference bit for bit.
+    So a GPU-only path (eager launch caching, the non-exact epilogue, ...) mishandles a zero
+    point in the conv graph; this fails until that is found."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    row = run("resnet", qfuse.QConfig.int8_static_asymmetric(), device="cuda")
+    assert row["rel_err_graph"] <= 0.15, row  # CPU: 0.060; per-layer floor as everywhere
+    _judge(row, max_rel=1.0)
