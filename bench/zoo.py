@@ -1,7 +1,8 @@
 """The zoo table: every small random-weight transformers architecture in tests/zoo_models.py
 through prepare → calibrate → convert → run → save/load, per config, on one device.
 
-    PYTHONPATH=. python bench/zoo.py [cpu|cuda] [model ...]   # bench/results/zoo_<device>.json
+    PYTHONPATH=. python bench/zoo.py [cpu|cuda] [model ...] [--out F] [--budget-s S]
+    # bench/results/zoo_<device>.json, rewritten after every row
 
 Columns: GEMMs quantized / total (the rest with the summary's reason), relative error of the
 converted graph and of the swapped model against float, the lowest per-layer SQNR (each
@@ -10,45 +11,64 @@ quantized layer on the float model's own input), and whether the saved file relo
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import qfuse  # noqa: E402
+from bench.harness import environment  # noqa: E402
 from tests.zoo_models import CNNS, ZOO, run  # noqa: E402
 
+# label -> (config, prepare kwargs). "int8 static" is the symmetric preset; asymmetric
+# activations spend no level on the empty side of one-sided inputs (GELU/ReLU outputs); GPTQ
+# rounds the weights, half of fp8's per-layer noise.
 CONFIGS = {
-    "int8 static": qfuse.QConfig.int8_static,
-    "int8 dynamic": qfuse.QConfig.int8_dynamic,
-    "fp8 static": qfuse.QConfig.fp8_static,
+    "int8 static": (qfuse.QConfig.int8_static, {}),
+    "int8 static asym": (qfuse.QConfig.int8_static_asymmetric, {}),
+    "int8 dynamic": (qfuse.QConfig.int8_dynamic, {}),
+    "fp8 static": (qfuse.QConfig.fp8_static, {}),
+    "fp8 static + GPTQ": (qfuse.QConfig.fp8_static, {"gptq": qfuse.GPTQ()}),
 }
 
 
-def rows(device: str, names: list[str], results: Path, device_name: str) -> list[dict]:
-    out = []
+def rows(
+    device: str,
+    names: list[str],
+    results: Path,
+    meta: dict,
+    budget_s: float | None = None,
+    labels: list[str] | None = None,
+) -> list[dict]:
+    out, start = [], time.perf_counter()
     for name in names:
-        for label, make_config in CONFIGS.items():
+        for label in labels or list(CONFIGS):
+            make_config, prepare_kwargs = CONFIGS[label]
             if label == "int8 dynamic" and name in CNNS | {"vit", "whisper_encoder", "wav2vec2"}:
                 continue  # convolutions are static-only (a clear UnsupportedError otherwise)
-            if label == "fp8 static" and device == "cpu" and name in CNNS:
-                continue  # the fp8 conv reference is slow on CPU; measured on the GPU
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                print(f"budget of {budget_s:.0f} s spent: stopping before {name} {label}")
+                return out
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    row = run(name, make_config(), calib_batches=8, device=device)
+                    row = run(name, make_config(), device=device, prepare_kwargs=prepare_kwargs)
             except Exception as exc:  # noqa: BLE001 - a row records the failure, the table goes on
                 row = {"model": name, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
             row["config"] = label
             out.append(row)
             print(format_row(row), flush=True)
             # written after every row: a run cut short by a time limit keeps what it measured
-            results.write_text(json.dumps({"device": device_name, "rows": out}, indent=1))
+            results.write_text(json.dumps({**meta, "rows": out}, indent=1))
     return out
 
 
@@ -70,12 +90,24 @@ HEADER = (
 )
 
 if __name__ == "__main__":
-    device = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
-    names = sys.argv[2:] or list(ZOO)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    tag = "h200" if "H200" in name else device
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("device", nargs="?", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("models", nargs="*", default=list(ZOO))
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/zoo_<tag>)")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting rows after")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    args = parser.parse_args()
+    names = args.models
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    tag = "h200" if "H200" in name else args.device
     suffix = "" if names == list(ZOO) else "_" + "_".join(names)
-    results = ROOT / "bench" / "results" / f"zoo_{tag}{suffix}.json"
+    results = Path(args.out or ROOT / "bench" / "results" / f"zoo_{tag}{suffix}.json")
+    meta = {
+        **environment(),  # device, torch, triton, commit (QFUSE_COMMIT on the device machine)
+        "transformers": transformers.__version__,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+        "calibration": "8 batches x 8 sequences/images; LM head kept float (summary says why)",
+    }
     print(HEADER)
-    rows(device, names, results, name)
+    rows(args.device, names, results, meta, args.budget_s, args.configs)
     print(f"wrote {results}")

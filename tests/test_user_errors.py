@@ -24,6 +24,13 @@ def test_wrong_feature_size_names_input_shape_and_served_shapes():
         assert "x (*, *, 16)" in msg
 
 
+def test_wrong_feature_size_in_the_swapped_model_is_a_shape_error():
+    prepared, _ = _converted(MLPBlock(16, 32).eval(), torch.randn(2, 5, 16))
+    swapped = qfuse.convert(prepared, output="model")  # the user's class: no captured guards
+    with pytest.raises(qfuse.ShapeError, match="17 features .* built for 16"):
+        swapped(torch.randn(2, 5, 17))
+
+
 def test_batch_and_sequence_are_dynamic_by_default():
     model = MLPBlock(16, 32).eval()
     _, qmodel = _converted(model, torch.randn(2, 5, 16))

@@ -7,23 +7,18 @@ import torch
 pytest.importorskip("transformers")
 
 import qfuse  # noqa: E402
-from tests.zoo_models import CNNS, ZOO, run  # noqa: E402
+from tests.zoo_models import CNNS, LM_HEAD_REASON, ZOO, run  # noqa: E402
 
-# Random-weight networks whose end-to-end error measures chaos, not quantization: MobileNetV2's
-# output moves 73% for 3.5% noise on its first conv (the issue's measurement). Judged per layer.
-CHAOTIC = {"mobilenet_v2"}
+# Random-weight CNNs, judged per layer (the issue's rule): their end-to-end error measures chaos,
+# not quantization. MobileNetV2's output moves 73% for 3.5% noise on its first conv; ResNet's
+# moves 6-9% through its residual blocks while every layer keeps its SQNR floor.
+PER_LAYER_ONLY = {"mobilenet_v2", "resnet"}
 MIN_LAYER_SQNR_DB = {"mobilenet_v2": 15.0}  # depthwise convs on random BN statistics: 17 dB
-DEFAULT_MIN_LAYER_SQNR_DB = 20.0  # int8 per-tensor activations: a layer alone is 24–38 dB here
-# Measured int8-static misses of the 3% target, each with its cause (the numbers are in the
-# README zoo table): Llama/Mistral at 3.4% — layer 0's o_proj input is dominated by the first
-# token (causal attention returns v_0 unaveraged), so one per-tensor scale is coarse for the
-# other tokens (per-token int8 dynamic: 1.3%, test below); wav2vec2 at 3.1% — its three
-# front-end convs add ~1–2% each.
-# ResNet (random weights, BatchNorm re-estimated) at 6.8% end to end through its residual
-# blocks while every layer keeps its SQNR floor (measured when the graph path first converted it).
-# resnet: 0.083 since block outputs go int8 into the next block's residual add too (and the
-# stem's max-pool runs on int8): one more rounding on the skip path, for ~0.1 ms at batch 32
-MAX_REL_STATIC = {"llama": 0.04, "mistral": 0.04, "wav2vec2": 0.035, "resnet": 0.09}
+DEFAULT_MIN_LAYER_SQNR_DB = 20.0  # int8 per-tensor activations: a layer alone is 24–40 dB here
+# int8 static is judged with asymmetric activations: symmetric wastes half its levels on
+# one-sided inputs, and wav2vec2's front-end convs read GELU outputs (symmetric 3.9%, asym
+# 2.5%; the README zoo table has both columns). A zero point costs the fused kernels one
+# multiply-add per output (zp * colsum(W), in the epilogue).
 
 
 def _judge(row: dict, max_rel: float) -> None:
@@ -35,17 +30,24 @@ def _judge(row: dict, max_rel: float) -> None:
         assert row["left_float"], row
     floor = MIN_LAYER_SQNR_DB.get(row["model"], DEFAULT_MIN_LAYER_SQNR_DB)
     assert row["min_layer_sqnr_db"] >= floor, row
-    if row["model"] not in CHAOTIC:
+    if row["model"] not in PER_LAYER_ONLY:
         assert row["rel_err_graph"] <= max_rel, row
         assert row["rel_err_model"] <= max_rel, row
 
 
-@pytest.mark.parametrize(
-    "name", ZOO
-)
+@pytest.mark.parametrize("name", ZOO)
 def test_zoo_int8_static(name, tmp_path):
-    row = run(name, qfuse.QConfig.int8_static(), calib_batches=8, save_dir=str(tmp_path))
-    _judge(row, max_rel=MAX_REL_STATIC.get(name, 0.03))
+    row = run(name, qfuse.QConfig.int8_static_asymmetric(), save_dir=str(tmp_path))
+    _judge(row, max_rel=0.03)
+
+
+def test_zoo_llama_int8_static_symmetric(tmp_path):
+    """The preset (symmetric) on Llama: 3.4% with 16 calibration sequences and a quantized LM
+    head; the first tokens' o_proj inputs clipped (see ``run``)."""
+    row = run("llama", qfuse.QConfig.int8_static(), save_dir=str(tmp_path))
+    assert list(row["left_float"]) == ["lm_head"]
+    assert row["left_float"]["lm_head"].endswith(LM_HEAD_REASON)  # summary: "kept float: ..."
+    _judge(row, max_rel=0.03)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # Mistral here is Llama's arch
@@ -54,15 +56,18 @@ def test_zoo_llms_int8_dynamic(name, tmp_path):
     _judge(row, max_rel=0.03)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "whisper_encoder"])
+# fp8 e4m3 keeps 3 mantissa bits: 31.5 dB per tensor whatever the scale, ~28.5 dB per GEMM
+# (weights and activations), on every layer of every zoo model. Models whose output runs
+# through 4+ GEMMs in a row unaveraged miss 5% (T5, wav2vec2, ConvNeXt: README zoo table).
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "whisper_encoder"])
 def test_zoo_fp8_static(name, tmp_path):
     row = run(name, qfuse.QConfig.fp8_static(), save_dir=str(tmp_path))
     _judge(row, max_rel=0.05)
 
 
 def test_resnet_as_its_own_class():
-    """The graph result of ResNet waits for the conv issue's rewrite fix; the model result
-    (module swap, BatchNorm folded) already converts and runs."""
+    """The model result of ResNet (module swap, BatchNorm folded): its class, no BatchNorm
+    left, and every swapped layer's SQNR on the float model's own input."""
     from tests.zoo_models import build, layer_sqnr
 
     model, make_inputs, key = build("resnet")
@@ -76,3 +81,18 @@ def test_resnet_as_its_own_class():
     sqnr = layer_sqnr(model, qmodel, inputs)
     assert len(sqnr) == len(qfuse.summary(qmodel).rows) and min(sqnr.values()) >= 20, sqnr
     assert "resnet" in CNNS
+
+
+@pytest.mark.gpu
+def test_resnet_asymmetric_graph_on_cuda():
+    """The fused graph of ResNet with asymmetric activations on the GPU. Measured on the H200
+    (bench/results/zoo_h200.json): rel. error 1.13 against float, while the same graph on CPU
+    gives 0.060, the swapped model on the GPU 0.067, the symmetric graph on the GPU 0.092 (CPU
+    0.090), and the Triton kernels under the interpreter equal the CPU reference bit for bit.
+    So a GPU-only path (eager launch caching, the non-exact epilogue, ...) mishandles a zero
+    point in the conv graph; this fails until that is found."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    row = run("resnet", qfuse.QConfig.int8_static_asymmetric(), device="cuda")
+    assert row["rel_err_graph"] <= 0.15, row  # CPU: 0.060; per-layer floor as everywhere
+    _judge(row, max_rel=1.0)
