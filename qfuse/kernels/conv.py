@@ -36,6 +36,7 @@ from qfuse.kernels.common import (
     tile_indices,
 )
 from qfuse.kernels.epilogue import float_grid, output_code, scale_acc, store_output
+from qfuse.kernels.layout import empty_nhwc
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
@@ -467,8 +468,7 @@ def qconv2d(
     n, c_in, h, w = x.shape
     c_out, cg_in, kh, kw = weight.shape
     oh, ow = output_size(h, w, (kh, kw), stride, padding, dilation)
-    out = torch.empty((n, c_out, oh, ow), device=x.device, dtype=out_dtype,
-                      memory_format=torch.channels_last)
+    out = empty_nhwc((n, c_out, oh, ow), out_dtype, x.device)
     M = n * oh * ow
     if M == 0 or c_out == 0:
         return out
