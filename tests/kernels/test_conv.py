@@ -227,3 +227,19 @@ def test_quantized_residual_needs_its_scale():
     args["post_activation"] = args.pop("post_act")
     with pytest.raises(UnsupportedError, match="residual_scale"):
         op(**args)
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_prequantize_matches_reference(device, channels_last, qdtype):
+    # 96x96 NCHW: H*W past 8192, so rows of W; channels-last: rows of W*C
+    x = torch.randn(2, 3, 96, 96) * 3
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    inv, zp = torch.tensor(30.0), torch.tensor(3, dtype=torch.int32)
+    zp = zp if qdtype == torch.int8 else None
+    q = conv.prequantize(x.to(device), qdtype, inv.to(device),
+                         zp.to(device) if zp is not None else None)
+    ref = reference._quantize_input(x, inv, zp, qdtype)
+    assert q.stride() == x.stride()
+    assert torch.equal(q.cpu().float(), ref.float())

@@ -30,22 +30,25 @@ DEGENERATE = [
 ]
 
 
-def _conv_args(n, c_in, c_out, h, w, k, groups):
+def _conv_args(n, c_in, c_out, h, w, k, groups, device):
     g = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (c_out, c_in // groups, k, k), generator=g,
                            dtype=torch.int8)
     x = torch.randn(n, c_in, h, w, generator=g).contiguous(memory_format=torch.channels_last)
-    return (x, conv_kernels.pack_weight(weight), torch.full((c_out,), 1e-3), None,
+    args = (x, conv_kernels.pack_weight(weight), torch.full((c_out,), 1e-3), None,
             torch.tensor(40.0), None, None, torch.tensor(20.0), None, "relu", torch.int8,
             [1, 1], [k // 2] * 2, [1, 1], groups)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 @pytest.mark.parametrize("shape", DEGENERATE, ids=["1x1-map", "one-channel", "batch1",
                                                    "depthwise-1x1"])
-def test_fake_kernel_and_reference_outputs_have_one_stride_set(shape):
-    args = _conv_args(*shape)
+def test_fake_kernel_and_reference_outputs_have_one_stride_set(shape, device):
+    args = _conv_args(*shape, device)
     kernel = conv_kernels.qconv2d(*args)  # the Triton body (interpreter on CPU)
-    reference = torch.ops.qfuse.qconv2d(*args)  # the op's CPU body: the reference
+    with qfuse.use_backend("reference"):
+        reference = torch.ops.qfuse.qconv2d(*args)
+        pool_ref = torch.ops.qfuse.max_pool2d(kernel, [3, 3], [1, 1], [1, 1], [1, 1], False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.ops.qfuse.qconv2d(*args)
     expected = empty_nhwc(kernel.shape, kernel.dtype, "cpu").stride()
@@ -53,7 +56,6 @@ def test_fake_kernel_and_reference_outputs_have_one_stride_set(shape):
     assert torch.equal(kernel, reference)
 
     pooled = pool_kernel(kernel, [3, 3], [1, 1], [1, 1], [1, 1], False)
-    pool_ref = torch.ops.qfuse.max_pool2d(kernel, [3, 3], [1, 1], [1, 1], [1, 1], False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         pool_fake = torch.ops.qfuse.max_pool2d(kernel, [3, 3], [1, 1], [1, 1], [1, 1], False)
     assert pooled.stride() == pool_ref.stride() == pool_fake.stride() == expected
