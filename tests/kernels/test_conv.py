@@ -88,7 +88,10 @@ def check(args, **kw) -> None:
     a, b = out.double(), ref.double()
     if out.dtype == FP8:  # one e4m3 step where the exact value sits on a rounding boundary
         step = torch.maximum(a.abs(), b.abs()) / 8 + 2.0**-9
-        assert ((a - b).abs() <= step * (2 if on_gpu else 1)).all()
+        excess = (a - b).abs() / (step * (2 if on_gpu else 1))
+        worst = excess.argmax()  # which values miss: near zero points at the accumulation
+        assert (excess <= 1).all(), (f"{int((excess > 1).sum())} of {excess.numel()} outside; "
+                                     f"worst: {a.flatten()[worst]} vs {b.flatten()[worst]}")
         assert (a != b).float().mean() < (0.05 if on_gpu else 0.02)
     else:  # then one rounding to the output dtype
         err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

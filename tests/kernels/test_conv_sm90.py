@@ -9,15 +9,11 @@ torch.compile launches the kernel). A child process with ``TRITON_INTERPRET=0``.
 
 from __future__ import annotations
 
-import inspect
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-CHILD = os.environ.get("QFUSE_COMPILE_CHILD") == "1"
+from tests.kernels.test_compile import compile_sm90, run_child
 
 # (name, weight dtype, x dtype, out dtype, residual dtype or None, k, cg_in, cg_out, M, act)
 VARIANTS = [
@@ -28,18 +24,6 @@ VARIANTS = [
      "relu"),
     ("stem-flat-k", "*i8", "*i8", "*i8", None, 7, 3, 64, 401408, "relu"),
 ]
-
-
-def _compile(fn, pointers: dict, constexprs: dict, **options):
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    names = inspect.signature(fn.fn).parameters
-    signature = {n: pointers.get(n, "i32") for n in names}
-    signature.update({n: "constexpr" for n in constexprs})
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"enable_fp_fusion": False, **options})
 
 
 def _flags(w, x, out, res, k, act):
@@ -76,23 +60,23 @@ def child_main() -> None:
         consts = dict(_flags(w, x, out, res, k, act), FLAT_K=cg_in < cfg.block_k,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       GROUP_M=cfg.group_m)
-        kernel = _compile(conv._qconv_kernel, _pointers(w, x, out, res), consts,
+        kernel = compile_sm90(conv._qconv_kernel, _pointers(w, x, out, res), consts,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results[name] = _info(kernel, must_mma=cfg.block_m >= 64)
     for w, x, out in (("*i8", "*i8", "*i8"), ("*fp8e4nv", "*bf16", "*fp8e4nv")):
         cfg = conv.pick_depthwise_config(100352, 96, 25)
         consts = dict(_flags(w, x, out, None, 5, "hardswish"), BLOCK_M=cfg.block_m,
                       BLOCK_C=cfg.block_n)
-        kernel = _compile(conv._dwconv_kernel, _pointers(w, x, out, None), consts,
+        kernel = compile_sm90(conv._dwconv_kernel, _pointers(w, x, out, None), consts,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results[f"depthwise-{w[1:]}"] = _info(kernel, must_mma=False)
-    im2col = _compile(conv._im2col_kernel, dict(x_ptr="*bf16", inv_scale_ptr="*fp32",
+    im2col = compile_sm90(conv._im2col_kernel, dict(x_ptr="*bf16", inv_scale_ptr="*fp32",
                                                 zp_ptr="*i32", cols_ptr="*i8"),
                       dict(SH=2, SW=2, PH=3, PW=3, DH=1, DW=1, KH=7, KW=7, FP8=False,
                            X_QUANTIZED=False, HAS_ZP=False, EXACT=False, BLOCK_M=128, RUN=32),
                       num_warps=4)
     results["im2col"] = _info(im2col, must_mma=False)
-    maxpool = _compile(pool._maxpool_kernel, dict(x_ptr="*i8", out_ptr="*i8"),
+    maxpool = compile_sm90(pool._maxpool_kernel, dict(x_ptr="*i8", out_ptr="*i8"),
                        dict(SH=2, SW=2, PH=1, PW=1, DH=1, DW=1, KH=3, KW=3, LOWEST=-128.0,
                             BLOCK_M=32, BLOCK_C=32), num_warps=4)
     results["maxpool"] = _info(maxpool, must_mma=False)
@@ -101,13 +85,7 @@ def child_main() -> None:
 
 @pytest.fixture(scope="module")
 def compiled():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="0", QFUSE_COMPILE_CHILD="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=170)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__)
 
 
 @pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
