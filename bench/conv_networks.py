@@ -189,12 +189,14 @@ def network(name, args, rows, profiles, deadline, save) -> None:
     # The qfuse models' own compiles last: each takes a minute, and a --budget-s cut should
     # leave the uncompiled rows of every batch rather than the compiled ones of the first.
     late = [i for i in impls if i[0].startswith("qfuse") and i[0].endswith("_compile")]
+    inputs = {}  # one input per batch size: every row of a batch sees the same images
+    for b in [int(b) for b in args.batches.split(",")]:
+        x = torch.randn(b, 3, hw, hw, device=device, dtype=dt).contiguous(memory_format=CL)
+        with torch.no_grad():
+            inputs[b] = (x, ref_model(x.float()).double())
     for phase in ([i for i in impls if i not in late], late):
-        for batch in [int(b) for b in args.batches.split(",")] if phase else []:
-            x = torch.randn(batch, 3, hw, hw, device=device, dtype=dt)
-            x = x.contiguous(memory_format=CL)
+        for batch, (x, ref) in inputs.items() if phase else ():
             with torch.no_grad():
-                ref = ref_model(x.float()).double()
                 for impl, dtype, m in phase:
                     rows.append(_row(name, batch, impl, dtype, m, x, ref, args, profiles,
                                      deadline))
