@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 
@@ -158,7 +157,7 @@ def build(name, tiny, device, hw):
     return reestimate_bn(model, lambda: torch.randn(16, 3, hw, hw, device=device))
 
 
-def network(name, args, rows, profiles, deadline) -> None:
+def network(name, args, rows, profiles, deadline, save) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hw = 16 if args.tiny else 224
     torch.manual_seed(0)
@@ -187,37 +186,50 @@ def network(name, args, rows, profiles, deadline) -> None:
         impls.append((f"qfuse_{dtype}", dtype, qmodel))
         if not args.no_compile and name in args.qfuse_compile.split(","):
             impls.append((f"qfuse_{dtype}_compile", dtype, torch.compile(qmodel, dynamic=True)))
-    for batch in [int(b) for b in args.batches.split(",")]:
-        x = torch.randn(batch, 3, hw, hw, device=device, dtype=dt).contiguous(memory_format=CL)
+    # The qfuse models' own compiles last: each takes a minute, and a --budget-s cut should
+    # leave the uncompiled rows of every batch rather than the compiled ones of the first.
+    late = [i for i in impls if i[0].startswith("qfuse") and i[0].endswith("_compile")]
+    inputs = {}  # one input per batch size: every row of a batch sees the same images
+    for b in [int(b) for b in args.batches.split(",")]:
+        x = torch.randn(b, 3, hw, hw, device=device, dtype=dt).contiguous(memory_format=CL)
         with torch.no_grad():
-            ref = ref_model(x.float()).double()
-            for impl, dtype, m in impls:
-                if time.time() > deadline:
-                    rows.append(dict(network=name, batch=batch, impl=impl, error="time budget"))
-                    continue
-                row = dict(network=name, batch=batch, impl=impl, dtype=dtype)
-                try:
-                    out = m(x)
-                    row["rel_err_vs_fp32"] = H.rel_err(out.float(), ref)
-                    row["top1_agree_fp32"] = (out.argmax(1) == ref.argmax(1)).float().mean().item()
-                    row["gpu_us"] = gpu_us(lambda m=m, x=x: m(x))
-                    row["eager_us"] = eager_us(lambda m=m, x=x: m(x))
-                    if batch == args.profile_batch:
-                        profiles[f"{name}/{impl}/b{batch}"] = breakdown(lambda m=m, x=x: m(x))
-                except Exception as exc:  # noqa: BLE001 — a failing row is a result
-                    row["error"] = H.error_text(exc)
-                rows.append(row)
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-                      flush=True)
-            if batch == args.profile_batch and args.layers and time.time() < deadline:
-                for impl, _, m in impls:
-                    if impl == f"qfuse_{args.layers}":
-                        profiles[f"{name}/{impl}/b{batch}/layers"] = layer_table(m, x)
+            inputs[b] = (x, ref_model(x.float()).double())
+    for phase in ([i for i in impls if i not in late], late):
+        for batch, (x, ref) in inputs.items() if phase else ():
+            with torch.no_grad():
+                for impl, dtype, m in phase:
+                    rows.append(_row(name, batch, impl, dtype, m, x, ref, args, profiles,
+                                     deadline))
+                    save()
+                if (phase is not late and batch == args.profile_batch and args.layers
+                        and time.time() < deadline):
+                    for impl, _, m in phase:
+                        if impl == f"qfuse_{args.layers}":
+                            profiles[f"{name}/{impl}/b{batch}/layers"] = layer_table(m, x)
     base = {r["batch"]: r.get("gpu_us") for r in rows
             if r.get("network") == name and r.get("impl") == "bf16_compile"}
     for r in rows:
         if r.get("network") == name and base.get(r["batch"]) and r.get("gpu_us"):
             r["x_bf16_compile"] = base[r["batch"]] / r["gpu_us"]
+
+
+def _row(name, batch, impl, dtype, m, x, ref, args, profiles, deadline) -> dict:
+    """One timed row, checked against the float32 model's output ``ref`` first."""
+    if time.time() > deadline:
+        return dict(network=name, batch=batch, impl=impl, error="time budget")
+    row = dict(network=name, batch=batch, impl=impl, dtype=dtype)
+    try:
+        out = m(x)
+        row["rel_err_vs_fp32"] = H.rel_err(out.float(), ref)
+        row["top1_agree_fp32"] = (out.argmax(1) == ref.argmax(1)).float().mean().item()
+        row["gpu_us"] = gpu_us(lambda: m(x))
+        row["eager_us"] = eager_us(lambda: m(x))
+        if batch == args.profile_batch:
+            profiles[f"{name}/{impl}/b{batch}"] = breakdown(lambda: m(x))
+    except Exception as exc:  # noqa: BLE001 — a failing row is a result
+        row["error"] = H.error_text(exc)
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return row
 
 
 def print_report(rows, profiles) -> None:
@@ -262,17 +274,16 @@ def main(argv=None):
     a = p.parse_args(argv)
     deadline = time.time() + a.budget_s
     rows, profiles = [], {}
+
+    def save() -> None:  # after every row: a run cut off by its time limit keeps what it measured
+        H.write_results(a.out, rows, dict(profiles=profiles))
+
     for name in [v for v in a.nets.split(",") if v]:
         try:
-            network(name, a, rows, profiles, deadline)
+            network(name, a, rows, profiles, deadline, save)
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(network=name, error=H.error_text(exc)))
-        H.write_results(a.out, rows)
-        with open(a.out) as f:
-            data = json.load(f)
-        data["profiles"] = profiles
-        with open(a.out, "w") as f:
-            json.dump(data, f, indent=1)
+        save()
     print_report(rows, profiles)
 
 

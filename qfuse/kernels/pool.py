@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qfuse.kernels.layout import empty_nhwc
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -65,8 +67,7 @@ def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bo
     n, c, h, w = x.shape
     oh = output_size(h, kernel[0], stride[0], padding[0], dilation[0], ceil_mode)
     ow = output_size(w, kernel[1], stride[1], padding[1], dilation[1], ceil_mode)
-    out = torch.empty((n, c, oh, ow), device=x.device, dtype=x.dtype,
-                      memory_format=torch.channels_last)
+    out = empty_nhwc((n, c, oh, ow), x.dtype, x.device)
     m = n * oh * ow
     if m == 0 or c == 0:
         return out

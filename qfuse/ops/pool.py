@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qfuse.kernels.layout import as_nhwc, empty_nhwc
 from qfuse.kernels.pool import output_size
 from qfuse.ops.backend import Backend, resolve_backend
 
@@ -25,7 +26,7 @@ def _impl(x: torch.Tensor, kernel_size: list[int], stride: list[int], padding: l
         launcher = None if _eager(x) or x.device.type == "cpu" else torch.library.wrap_triton
         return kernel(x, kernel_size, stride, padding, dilation, ceil_mode, launcher=launcher)
     out = F.max_pool2d(x.float(), kernel_size, stride, padding, dilation, ceil_mode)
-    return out.to(x.dtype).contiguous(memory_format=torch.channels_last)
+    return as_nhwc(out.to(x.dtype))
 
 
 max_pool2d = torch.library.triton_op("qfuse::max_pool2d", _impl, mutates_args=())
@@ -36,7 +37,7 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
     n, c, h, w = x.shape
     oh = output_size(h, kernel_size[0], stride[0], padding[0], dilation[0], ceil_mode)
     ow = output_size(w, kernel_size[1], stride[1], padding[1], dilation[1], ceil_mode)
-    return x.new_empty((n, c, oh, ow)).contiguous(memory_format=torch.channels_last)
+    return empty_nhwc((n, c, oh, ow), x.dtype, x.device)
 
 
 def max_pool2d_call(x, kernel_size, stride, padding, dilation, ceil_mode) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from qfuse.errors import ShapeError, UnsupportedError
+from qfuse.kernels.layout import as_nhwc, empty_nhwc
 from qfuse.ops import reference
 from qfuse.ops.backend import Backend, resolve_backend
 
@@ -105,8 +106,7 @@ def _impl(
         from qfuse.kernels.conv import qconv2d as kernel  # interpreter (tests, debugging)
 
         return kernel(*args, **res_q)
-    out = reference.qconv2d(*args, **res_q)
-    return out.contiguous(memory_format=torch.channels_last)
+    return as_nhwc(reference.qconv2d(*args, **res_q))
 
 
 qconv2d = torch.library.triton_op("qfuse::qconv2d", _impl, mutates_args=())
@@ -120,9 +120,7 @@ def _(x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale
     kh, kw = weight.shape[2], weight.shape[3]
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    return x.new_empty((n, weight.shape[0], oh, ow), dtype=out_dtype).contiguous(
-        memory_format=torch.channels_last
-    )
+    return empty_nhwc((n, weight.shape[0], oh, ow), out_dtype, x.device)
 
 
 def _eager(x: torch.Tensor) -> bool:

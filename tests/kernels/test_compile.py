@@ -115,15 +115,21 @@ def child_main() -> None:
     print(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def run_child(script: str):
+    """Run ``script`` (a test module's ``__main__``) as the compiling child; its last stdout line,
+    parsed as JSON."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TRITON_INTERPRET="0", QFUSE_COMPILE_CHILD="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return run_child(__file__)
 
 
 def test_epilogue_products_are_explicitly_rounded(compiled):

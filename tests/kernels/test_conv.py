@@ -88,7 +88,10 @@ def check(args, **kw) -> None:
     a, b = out.double(), ref.double()
     if out.dtype == FP8:  # one e4m3 step where the exact value sits on a rounding boundary
         step = torch.maximum(a.abs(), b.abs()) / 8 + 2.0**-9
-        assert ((a - b).abs() <= step * (2 if on_gpu else 1)).all()
+        excess = (a - b).abs() / (step * (2 if on_gpu else 1))
+        worst = excess.argmax()  # which values miss: near zero points at the accumulation
+        assert (excess <= 1).all(), (f"{int((excess > 1).sum())} of {excess.numel()} outside; "
+                                     f"worst: {a.flatten()[worst]} vs {b.flatten()[worst]}")
         assert (a != b).float().mean() < (0.05 if on_gpu else 0.02)
     else:  # then one rounding to the output dtype
         err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -227,3 +230,19 @@ def test_quantized_residual_needs_its_scale():
     args["post_activation"] = args.pop("post_act")
     with pytest.raises(UnsupportedError, match="residual_scale"):
         op(**args)
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_prequantize_matches_reference(device, channels_last, qdtype):
+    # 96x96 NCHW: H*W past 8192, so rows of W; channels-last: rows of W*C
+    x = torch.randn(2, 3, 96, 96) * 3
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    inv, zp = torch.tensor(30.0), torch.tensor(3, dtype=torch.int32)
+    zp = zp if qdtype == torch.int8 else None
+    q = conv.prequantize(x.to(device), qdtype, inv.to(device),
+                         zp.to(device) if zp is not None else None)
+    ref = reference._quantize_input(x, inv, zp, qdtype)
+    assert q.stride() == x.stride()
+    assert torch.equal(q.cpu().float(), ref.float())
