@@ -84,6 +84,8 @@ def test_resnet_as_its_own_class():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="known GPU-only bug: the fused ResNet graph with "
+                   "asymmetric int8 activations gives 1.13 rel. error on the H200 (CPU 0.060)")
 def test_resnet_asymmetric_graph_on_cuda():
     """The fused graph of ResNet with asymmetric activations on the GPU. Measured on the H200
     (bench/results/zoo_h200.json): rel. error 1.13 against float, while the same graph on CPU
