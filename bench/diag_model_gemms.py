@@ -34,12 +34,7 @@ KINDS = ("qkv", "attn_out", "ffn_up", "ffn_down")
 
 def trace_kernels(fn, calls: int = 3) -> list[dict]:
     """Every CUDA kernel of ``calls`` calls of ``fn``: name, µs, grid, block, regs, smem."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = harness.profiled(fn, calls)
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     prof.export_chrome_trace(path)

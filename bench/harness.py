@@ -61,16 +61,21 @@ def count_launches(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def cuda_kernels(fn: Callable[[], object], calls: int = 1) -> list[tuple[str, float]]:
-    """``(kernel name, GPU us)`` of every kernel ``calls`` calls of ``fn`` launch
-    (torch.profiler; one warm-up call first). Breakdowns divide by ``calls``."""
+def profiled(fn: Callable[[], object], calls: int = 1) -> torch.profiler.profile:
+    """The CUDA-activity profile of ``calls`` calls of ``fn`` (one warm-up call first)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return [(e.name, e.device_time) for e in prof.events()
+    return prof
+
+
+def cuda_kernels(fn: Callable[[], object], calls: int = 1) -> list[tuple[str, float]]:
+    """``(kernel name, GPU us)`` of every kernel ``calls`` calls of ``fn`` launch
+    (torch.profiler). Breakdowns divide by ``calls``."""
+    return [(e.name, e.device_time) for e in profiled(fn, calls).events()
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
