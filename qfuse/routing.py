@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from qfuse.errors import QFuseError
+from qfuse.fileio import atomic_write_text, cache_dir
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.state import get_state
 
@@ -99,8 +98,7 @@ class CostModel:
     # -- measured timings, cached per GPU ------------------------------------------------------
     @staticmethod
     def cache_path(device_name: str) -> Path:
-        root = Path(os.environ.get("QFUSE_CACHE", Path.home() / ".cache" / "qfuse"))
-        return root / f"costs-{device_name.replace(' ', '_')}.json"
+        return Path(cache_dir()) / f"costs-{device_name.replace(' ', '_')}.json"
 
     @classmethod
     def load(cls, device_name: str, rates: DeviceRates | None = None) -> CostModel:
@@ -110,11 +108,7 @@ class CostModel:
 
     def save(self, device_name: str) -> Path:
         path = self.cache_path(device_name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.measured, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(self.measured, indent=1, sort_keys=True))
         return path
 
     @classmethod

@@ -9,8 +9,6 @@ model with its observers switched off, so measuring never disturbs calibration.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
@@ -21,6 +19,7 @@ from torch.utils import _pytree as pytree
 from qfuse.config import QConfig
 from qfuse.convert import convert
 from qfuse.errors import QFuseError
+from qfuse.fileio import atomic_savefig
 from qfuse.observers.base import observers_disabled
 from qfuse.prepare import prepare
 from qfuse.state import get_state
@@ -116,16 +115,10 @@ class SensitivityReport:
         )
         ax.tick_params(axis="y", labelsize=7)
         fig.tight_layout()
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
-        os.close(fd)
         try:
-            fig.savefig(tmp, dpi=120)
-            os.replace(tmp, path)
+            atomic_savefig(fig, path, dpi=120)
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.remove(tmp)
         return path
 
 

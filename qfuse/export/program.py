@@ -15,8 +15,8 @@ from torch import fx
 
 from qfuse.capture import default_dynamic_shapes
 from qfuse.errors import CaptureError
-from qfuse.export.atomic import atomic_path
 from qfuse.export.checks import converted_state, normalize_inputs
+from qfuse.fileio import atomic_path
 
 
 def export_program(

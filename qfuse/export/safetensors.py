@@ -22,7 +22,6 @@ from torch.utils import _pytree as pytree
 
 from qfuse.capture import capture
 from qfuse.errors import FormatError
-from qfuse.export.atomic import atomic_path
 from qfuse.export.checks import converted_state, normalize_inputs
 from qfuse.export.format import (
     FORMAT_NAME,
@@ -43,6 +42,7 @@ from qfuse.export.tensors import (
     split_aliases,
     to_cpu_unshared,
 )
+from qfuse.fileio import atomic_path
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.eager_calls import tensor_methods
 from qfuse.fusion.gated import merge_siblings

@@ -22,8 +22,8 @@ import torch
 from torch import fx
 
 from qfuse.errors import CaptureError
-from qfuse.export.atomic import atomic_path
 from qfuse.export.checks import converted_state, normalize_inputs, same_outputs
+from qfuse.fileio import atomic_path
 
 
 def export_torchscript(

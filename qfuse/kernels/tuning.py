@@ -17,12 +17,12 @@ import dataclasses
 import functools
 import json
 import os
-import tempfile
 from collections.abc import Callable
 
 import torch
 import triton
 
+from qfuse.fileio import atomic_write_text, cache_dir
 from qfuse.kernels.tuned_configs import TUNED
 
 
@@ -154,10 +154,7 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
 
 
 def _cache_path() -> str:
-    root = os.environ.get("QFUSE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "qfuse"
-    )
-    return os.path.join(root, "tuning.json")
+    return os.path.join(cache_dir(), "tuning.json")
 
 
 def _read_cache() -> dict[str, dict]:
@@ -170,15 +167,10 @@ def _read_cache() -> dict[str, dict]:
 
 def _write_cache(key: str, cfg: GemmConfig) -> None:
     """Merge one entry into the cache file (atomic replace, so readers never see half a file)."""
-    path = _cache_path()
     data = _read_cache()
     data[key] = dataclasses.asdict(cfg)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write_text(_cache_path(), json.dumps(data, indent=1, sort_keys=True))
     except OSError:
         pass  # a read-only home is not an error: the process keeps its in-memory choice
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from qfuse.tools.io import atomic_savefig, atomic_write_text
+from qfuse.fileio import atomic_savefig, atomic_write_text
 
 COLUMNS = (
     "config",

@@ -1,12 +1,12 @@
-"""qfuse.export.atomic.atomic_path: all or nothing on disk."""
+"""qfuse.fileio: atomic writes (all or nothing on disk) and the cache directory."""
 
 import doctest
 import os
 
 import pytest
 
-import qfuse.export.atomic as atomic
-from qfuse.export.atomic import atomic_path
+import qfuse.fileio as atomic
+from qfuse.fileio import atomic_path
 
 
 def test_success_moves_the_temp_file_onto_the_target(tmp_path):
@@ -50,3 +50,18 @@ def test_missing_directory_is_the_writers_error(tmp_path):
 
 def test_docstring_examples():
     assert doctest.testmod(atomic).failed == 0
+
+
+def test_one_cache_directory_for_tuning_and_routing(tmp_path, monkeypatch):
+    from qfuse.fileio import cache_dir
+    from qfuse.kernels import tuning
+    from qfuse.routing import CostModel
+
+    monkeypatch.delenv("QFUSE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QFUSE_CACHE", str(tmp_path / "old"))  # the routing cache's older name
+    assert cache_dir() == str(tmp_path / "old")
+    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path / "new"))  # wins over the old name
+    assert os.path.dirname(tuning._cache_path()) == str(tmp_path / "new")
+    assert str(CostModel.cache_path("NVIDIA H200").parent) == str(tmp_path / "new")
+    assert CostModel(measured={"k": 1.0}).save("NVIDIA H200").exists()
+    assert os.listdir(tmp_path / "new") == ["costs-NVIDIA_H200.json"]  # no temp file left
