@@ -86,9 +86,10 @@ class QuantizedModule(nn.Module):
 
     @property
     def input_quantized(self) -> bool:
-        """True when the layer expects int8 input handed over by the previous fused layer."""
+        """True when the layer expects int8/fp8 input handed over by the previous fused layer."""
         return self._input_quantized
 
     @property
     def output_quantized(self) -> bool:
-        return self.out_dtype == torch.int8
+        """True when the layer hands int8/fp8 to the next fused layer."""
+        return self.out_dtype in (torch.int8, torch.float8_e4m3fn)

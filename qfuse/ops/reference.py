@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from qfuse.kernels.common import GATED_ACTIVATIONS
 from qfuse.primitives import SCALE_EPS, divide
 
-ROUND_MAGIC = 12582912.0
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 

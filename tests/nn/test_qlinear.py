@@ -171,3 +171,10 @@ def test_folded_zero_point_kernel_matches_reference(device):
     ref = reference.qlinear(*args)
     out = qgemm.qlinear(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
     assert torch.equal(out.cpu(), ref)
+
+
+def test_output_quantized_for_int8_and_fp8_hand_offs():
+    assert build(torch.int8, True, out_dtype=torch.int8,
+                 out_scale=torch.tensor(0.05))[0].output_quantized
+    assert build(FP8, True, out_dtype=FP8, out_scale=torch.tensor(0.05))[0].output_quantized
+    assert not build(FP8, True)[0].output_quantized
