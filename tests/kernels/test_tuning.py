@@ -146,6 +146,15 @@ def test_autotune_raises_when_no_schedule_launches(monkeypatch):
     assert len(report) == 2 and all("out of resources" in e for _, e in report)
 
 
+def test_autotune_keeps_no_flush_buffer(monkeypatch):
+    """The cold timings' 2x-L2 buffer lives for one autotune, not for the process."""
+    monkeypatch.setattr(tuning, "_time_ms", lambda fn, cold=False: (
+        tuning._FLUSH.setdefault(1, object()), 1.0)[1])
+    cands = tuning.candidates(16, 2048, 2048, "int8-xq", 132)[:2]
+    assert tuning.autotune(lambda cfg: None, cands, cold=True) == cands[0]
+    assert tuning._FLUSH == {}
+
+
 @pytest.mark.gpu
 def test_cold_timing_reads_weights_from_memory():
     """A 32 MB weight fits the H200's L2: hot, a GEMV reads it from L2; cold (flushed before
