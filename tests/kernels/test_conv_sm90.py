@@ -52,7 +52,7 @@ def _info(kernel, must_mma: bool) -> dict:
 
 
 def child_main() -> None:
-    from qfuse.kernels import conv, pool
+    from qfuse.kernels import conv, im2col, pool
 
     results = {}
     for name, w, x, out, res, k, cg_in, cg_out, m, act in VARIANTS:
@@ -70,12 +70,13 @@ def child_main() -> None:
         kernel = compile_sm90(conv._dwconv_kernel, _pointers(w, x, out, None), consts,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results[f"depthwise-{w[1:]}"] = _info(kernel, must_mma=False)
-    im2col = compile_sm90(conv._im2col_kernel, dict(x_ptr="*bf16", inv_scale_ptr="*fp32",
-                                                zp_ptr="*i32", cols_ptr="*i8"),
-                      dict(SH=2, SW=2, PH=3, PW=3, DH=1, DW=1, KH=7, KW=7, FP8=False,
-                           X_QUANTIZED=False, HAS_ZP=False, EXACT=False, BLOCK_M=128, RUN=32),
-                      num_warps=4)
-    results["im2col"] = _info(im2col, must_mma=False)
+    patches = compile_sm90(im2col._im2col_kernel, dict(x_ptr="*bf16", inv_scale_ptr="*fp32",
+                                                       zp_ptr="*i32", cols_ptr="*i8"),
+                           dict(SH=2, SW=2, PH=3, PW=3, DH=1, DW=1, KH=7, KW=7, FP8=False,
+                                X_QUANTIZED=False, HAS_ZP=False, EXACT=False, BLOCK_M=128,
+                                RUN=32),
+                           num_warps=4)
+    results["im2col"] = _info(patches, must_mma=False)
     maxpool = compile_sm90(pool._maxpool_kernel, dict(x_ptr="*i8", out_ptr="*i8"),
                        dict(SH=2, SW=2, PH=1, PW=1, DH=1, DW=1, KH=3, KW=3, LOWEST=-128.0,
                             BLOCK_M=32, BLOCK_C=32), num_warps=4)
