@@ -134,11 +134,7 @@ CLASSES = (
 
 
 def classify(name: str) -> str:
-    low = name.lower()
-    for cls, keys in CLASSES:
-        if any(k in low for k in keys):
-            return cls
-    return "other"
+    return harness.classify(name, CLASSES, "other")
 
 
 def gemms(config) -> list[tuple[int, int, str, bool, bool]]:

@@ -51,11 +51,7 @@ CLASSES = (
 
 
 def classify(name: str) -> str:
-    low = name.lower()
-    for cls, keys in CLASSES:
-        if any(k in low for k in keys):
-            return cls
-    return "other elementwise"
+    return harness.classify(name, CLASSES, "other elementwise")
 
 
 def build(model: str, dtype: torch.dtype, device: str):

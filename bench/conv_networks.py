@@ -130,23 +130,11 @@ def layer_table(qmodel, x) -> list[dict]:
     return rows
 
 
-def reestimate_bn(model, make_batch, steps=3):
-    for m in model.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.reset_running_stats()
-            m.momentum = None
-    model.train()
-    with torch.no_grad():
-        for _ in range(steps):
-            model(make_batch())
-    return model.eval()
-
-
 def build(name, tiny, device, hw):
-    if tiny:
-        sys.path.insert(0, ".")
-        from tests import cnn_blocks
+    sys.path.insert(0, ".")
+    from tests import cnn_blocks
 
+    if tiny:
         make = {"resnet": cnn_blocks.TinyResNet, "mobilenet": cnn_blocks.TinyMobileNet}
         model = make["mobilenet" if "mobilenet" in name else "resnet"]()
     else:
@@ -154,7 +142,8 @@ def build(name, tiny, device, hw):
 
         model = getattr(torchvision.models, name)(weights=None)
     model = model.to(device)
-    return reestimate_bn(model, lambda: torch.randn(16, 3, hw, hw, device=device))
+    return cnn_blocks.reestimate_batchnorm(
+        model, lambda: torch.randn(16, 3, hw, hw, device=device), steps=3)
 
 
 def network(name, args, rows, profiles, deadline, save) -> None:

@@ -61,6 +61,16 @@ def count_launches(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def classify(name: str, classes, other: str) -> str:
+    """The first class of ``classes`` (``(class, (name substrings, ...))`` pairs) whose
+    substring is in the kernel's ``name`` (case-insensitive), else ``other``."""
+    low = name.lower()
+    for cls, keys in classes:
+        if any(k in low for k in keys):
+            return cls
+    return other
+
+
 def profiled(fn: Callable[[], object], calls: int = 1) -> torch.profiler.profile:
     """The CUDA-activity profile of ``calls`` calls of ``fn`` (one warm-up call first)."""
     fn()

@@ -113,13 +113,18 @@ class TinyMobileNet(nn.Module):
 
 def reestimate_batchnorm(model: nn.Module, make_batch, steps: int = 4) -> nn.Module:
     """BatchNorm statistics from random data (train mode, cumulative average), then eval: a
-    random-weight model then has O(1) activations to quantize (see issue 11)."""
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.reset_running_stats()
-            m.momentum = None
+    random-weight model then has O(1) activations to quantize (see issue 11). ``make_batch()``
+    returns the model's input, or a dict of keyword inputs. Shared by the tests, the zoo and
+    ``bench/conv_networks.py``."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return model
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
     model.train()
     with torch.no_grad():
         for _ in range(steps):
-            model(make_batch())
+            batch = make_batch()
+            model(**batch) if isinstance(batch, dict) else model(batch)
     return model.eval()

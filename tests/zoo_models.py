@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.cnn_blocks import reestimate_batchnorm
+
 VOCAB = 128
 
 
@@ -184,27 +186,14 @@ ZOO = {
 CNNS = {"convnext", "resnet", "mobilenet_v2"}
 
 
-@torch.no_grad()
-def reestimate_batchnorm(model, make_inputs, batches: int = 2) -> None:
-    """Random-weight CNNs: BatchNorm's default statistics (mean 0, var 1) let activations shrink
-    to ~1e-22 through MobileNetV2; statistics estimated on random data keep them O(1)."""
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if not bns:
-        return
-    for bn in bns:
-        bn.reset_running_stats()
-        bn.momentum = None  # cumulative average over the batches
-    model.train()
-    for i in range(batches):
-        model(**make_inputs(batch=4, seed=100 + i))
-    model.eval()
-
-
 def build(name: str, seed: int = 0):
     """``(model, make_inputs, output_key)`` for zoo entry ``name``, random weights, eval mode."""
     torch.manual_seed(seed)
     model, make_inputs, key = ZOO[name]()
-    reestimate_batchnorm(model, make_inputs)
+    # Random-weight CNNs: BatchNorm's default statistics let activations shrink to ~1e-22
+    # through MobileNetV2; statistics estimated on random data keep them O(1).
+    seeds = iter(range(100, 102))
+    reestimate_batchnorm(model, lambda: make_inputs(batch=4, seed=next(seeds)), steps=2)
     return model.eval(), make_inputs, key
 
 
