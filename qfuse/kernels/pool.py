@@ -36,8 +36,14 @@ def _maxpool_kernel(x_ptr, out_ptr, M, H, W, OH, OW, C, sxn, sxh, sxw, sxc,
         iw = ow * SW - PW + (tap % KW) * DW
         valid = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         ptrs = (rows + ih * sxh + iw * sxw)[:, None] + (offs_c * sxc)[None, :]
-        v = tl.load(ptrs, mask=valid[:, None] & mask_c[None, :], other=LOWEST)
-        best = tl.maximum(best, v.to(tl.float32))  # exact for int8, fp8 and bf16/fp16
+        tap_mask = valid[:, None] & mask_c[None, :]
+        # Masked taps become LOWEST through a select, not through the load's ``other``: on an
+        # H100 (triton 3.6) ``other=-128`` on vectorized int8 loads filled padding taps with 0,
+        # which beat every all-zero-point window of an asymmetric ReLU output (ResNet's stem
+        # pool: 17% of outputs off by up to 127 codes). The interpreter got it right.
+        v = tl.load(ptrs, mask=tap_mask)
+        v = tl.where(tap_mask, v.to(tl.float32), LOWEST)  # exact for int8, fp8 and bf16/fp16
+        best = tl.maximum(best, v)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * C + offs_c[None, :]
     tl.store(out, best.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
 
