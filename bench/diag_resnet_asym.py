@@ -133,7 +133,7 @@ def main() -> None:
         print(f"{name}: final rel err vs float "
               f"{float((t.float().cpu() - ref_float.float()).norm() / ref_float.norm()):.4f}")
 
-    print("\n== node-by-node, cuda_triton vs cuda_ref (max abs diff in stored units, frac differing)")
+    print("\n== node by node, cuda_triton vs cuda_ref (max abs diff in stored units, share)")
     shown = 0
     for n in gm.graph.nodes:
         a = _first_tensor(runs["cuda_triton"].get(n.name))
