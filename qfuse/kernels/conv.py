@@ -99,8 +99,8 @@ def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
 @triton.jit
 def _dot(a, b, acc, FP8_PROMOTE: tl.constexpr):
     """``acc + a @ b``; fp8 with ``FP8_PROMOTE`` > 0 promotes to float32 every FP8_PROMOTE
-    K-elements. Triton checks 0 < P <= the dot's K for fp8 operands and ignores the argument
-    otherwise (int8, other GPUs); the interpreter ignores it (float32 sums throughout)."""
+    K-elements. Triton rejects P > the dot's K (BLOCK_K) for fp8 operands; int8 dots and
+    non-sm_90 lowerings ignore it, and so does the interpreter (float32 sums throughout)."""
     if FP8_PROMOTE > 0:
         return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
     else:
