@@ -21,12 +21,13 @@ so int8 outputs are bit-identical to the reference.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     activation,
@@ -95,6 +96,17 @@ def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
     return a
 
 
+@triton.jit
+def _dot(a, b, acc, FP8_PROMOTE: tl.constexpr):
+    """``acc + a @ b``; fp8 with ``FP8_PROMOTE`` > 0 promotes to float32 every FP8_PROMOTE
+    K-elements. Triton rejects P > the dot's K (BLOCK_K) for fp8 operands; int8 dots and
+    non-sm_90 lowerings ignore it, and so does the interpreter (float32 sums throughout)."""
+    if FP8_PROMOTE > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, out_dtype=acc.dtype)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _qconv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
@@ -109,7 +121,12 @@ def _qconv_kernel(
     POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8_PROMOTE: tl.constexpr = 0,
 ):
+    """``FP8_PROMOTE`` (fp8 only): 0 leaves ``tl.dot`` at Triton's default, which on sm_90 lets
+    wgmma accumulate in place at the tensor core's reduced precision for the whole K loop;
+    ``P`` (32 <= P <= BLOCK_K) sums every P K-elements in a fresh partial and adds it to the
+    float32 accumulator (``max_num_imprecise_acc``; ``ConvConfig.fp8_promote`` says why)."""
     pid = tl.program_id(0)
     group = tl.program_id(1)
     pid_m, pid_n = tile_indices(pid, M, CG_OUT, BLOCK_M, BLOCK_N, GROUP_M)
@@ -159,7 +176,7 @@ def _qconv_kernel(
                         EXACT)
             b_off = kh * swh + kw * sww + c * swc
             b = tl.load(w_cols + b_off[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+            acc = _dot(a, b, acc, FP8_PROMOTE)
     else:
         # One (kh, kw) tap and a block of channels per step.
         c_tiles = tl.cdiv(CG_IN, BLOCK_K)
@@ -179,7 +196,7 @@ def _qconv_kernel(
             b_ptrs = w_cols + (kh * swh + kw * sww) + (c * swc)[:, None]
             # K_W: the weight's channels (< CG_IN for an im2col buffer's padded row)
             b = tl.load(b_ptrs, mask=(c < K_W)[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+            acc = _dot(a, b, acc, FP8_PROMOTE)
 
     _epilogue(
         acc, offs_m, n_glob, mask_m, mask_n,
@@ -256,7 +273,18 @@ def _dwconv_kernel(
 
 @dataclass(frozen=True)
 class ConvConfig:
-    """A schedule: tile sizes, warps and pipeline depth (``block_k`` unused by depthwise)."""
+    """A schedule: tile sizes, warps and pipeline depth (``block_k`` unused by depthwise).
+
+    ``fp8_promote``: K-elements an fp8 wgmma may sum at the tensor core's own precision before
+    the partial is added to the float32 accumulator (Triton's ``max_num_imprecise_acc``). 0
+    (default) is Triton's sm_90 default, in-place accumulation over the whole K: the H100
+    ``test_gpu_real_shapes`` then missed a 2-step e4m3 bound near zero on every implicit-GEMM
+    shape (worst 4.1e-3 absolute in y, K=576; 289 of 1.6M outputs) while |y| is O(1). 32..
+    ``block_k``, a multiple of 32 (one m64nNk32 wgmma): promote that often, at the cost of one
+    float32 add per accumulator element per interval (``bench/diag_conv_fp8.py`` measures both).
+    DeepSeek-V3 (sec. 3.3.2) measured ~14 retained bits for Hopper fp8 MMA and promoted every
+    128. Longer intervals than ``block_k`` are not expressible: each ``tl.dot`` ends with a
+    promotion. Ignored by int8 and by depthwise (no dot)."""
 
     block_m: int
     block_n: int
@@ -264,6 +292,15 @@ class ConvConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    fp8_promote: int = 0
+
+    def __post_init__(self):
+        p = self.fp8_promote
+        if p and (p % 32 or not 32 <= p <= max(self.block_k, 32)):
+            raise UnsupportedError(
+                f"ConvConfig: fp8_promote={p}; use 0 (Triton's default) or a multiple of 32 "
+                f"(one fp8 wgmma's K) up to block_k={self.block_k}."
+            )
 
 
 SMS = 132  # H100/H200 SXM
@@ -367,6 +404,7 @@ def qconv2d(
     use_im2col: bool | None = None,
     residual_scale: torch.Tensor | None = None,
     residual_zero_point: torch.Tensor | None = None,
+    fp8_promote: int | None = None,
 ) -> torch.Tensor:
     """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
     layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
@@ -376,6 +414,8 @@ def qconv2d(
     several taps, once in a separate pass (``prequantize_input`` overrides: same numbers).
     A kxk conv with fewer than 16 input channels per group (a stem) runs as a 1x1 GEMM over a
     quantized patch buffer (``im2col``; ``use_im2col`` overrides: same numbers).
+    ``fp8_promote`` overrides the schedule's ``ConvConfig.fp8_promote`` (fp8 accumulation
+    precision; capped at the tile's ``block_k``, since every ``tl.dot`` ends with a promotion).
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
@@ -459,6 +499,8 @@ def qconv2d(
         flags.update(SH=1, SW=1, PH=0, PW=0, DH=1, DW=1, KH=1, KW=1, X_QUANTIZED=True)
         cg_in = k_total = x.shape[1]
     cfg = config or pick_config(M, cg_in, cg_out, k_total, fp8)
+    if fp8_promote is not None:
+        cfg = replace(cfg, fp8_promote=min(fp8_promote, cfg.block_k))
     flat_k = cg_in < cfg.block_k and not use_im2col  # im2col rows: padded, one "tap"
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cg_out, cfg.block_n), groups)
     launch(_qconv_kernel)[grid](
@@ -468,6 +510,7 @@ def qconv2d(
         *sizes, *strides, c_out, c_out,
         **flags, FLAT_K=flat_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        FP8_PROMOTE=cfg.fp8_promote if fp8 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
     return out

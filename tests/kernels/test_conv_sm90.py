@@ -10,6 +10,7 @@ torch.compile launches the kernel). A child process with ``TRITON_INTERPRET=0``.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -24,6 +25,12 @@ VARIANTS = [
      "relu"),
     ("stem-flat-k", "*i8", "*i8", "*i8", None, 7, 3, 64, 401408, "relu"),
 ]
+# fp8 accumulation promoted to float32 every P K-elements (ConvConfig.fp8_promote), on the
+# layers whose H100 outputs missed the test bound with Triton's default (K = 576 and 4608)
+# (None: every block_k). Each promotion adds the partial into the accumulator: for the 128x64
+# tile, 64 more add.f32 per thread per interval (64 / 128 / 192 for P = 0 / 64 / 32, K = 576).
+PROMOTED = [("3x3-fp8-default", 0, 0), ("3x3-fp8-promote-32", 0, 32),
+            ("3x3-fp8-small-map-promote-bk", 3, None)]
 
 
 def _flags(w, x, out, res, k, act):
@@ -48,7 +55,7 @@ def _pointers(w, x, out, res):
 def _info(kernel, must_mma: bool) -> dict:
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx or not must_mma,
-            "mul_rn": "mul.rn.f32" in ptx}
+            "mul_rn": "mul.rn.f32" in ptx, "add_f32": len(re.findall(r"\badd\.(?:rn\.)?f32", ptx))}
 
 
 def child_main() -> None:
@@ -59,10 +66,20 @@ def child_main() -> None:
         cfg = conv.pick_config(m, cg_in, cg_out, k * k * cg_in, "fp8" in w)
         consts = dict(_flags(w, x, out, res, k, act), FLAT_K=cg_in < cfg.block_k,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m)
+                      GROUP_M=cfg.group_m, FP8_PROMOTE=0)
         kernel = compile_sm90(conv._qconv_kernel, _pointers(w, x, out, res), consts,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results[name] = _info(kernel, must_mma=cfg.block_m >= 64)
+    for name, base, promote in PROMOTED:  # a 3x3 fp8 layer of VARIANTS, promoted
+        _, w, x, out, res, k, cg_in, cg_out, m, act = VARIANTS[base]
+        w = x = "*fp8e4nv"
+        cfg = conv.pick_config(m, cg_in, cg_out, k * k * cg_in, True)
+        consts = dict(_flags(w, x, out, res, k, act), FLAT_K=False, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      FP8_PROMOTE=cfg.block_k if promote is None else promote)
+        kernel = compile_sm90(conv._qconv_kernel, _pointers(w, x, out, res), consts,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        results[name] = _info(kernel, must_mma=True)
     for w, x, out in (("*i8", "*i8", "*i8"), ("*fp8e4nv", "*bf16", "*fp8e4nv")):
         cfg = conv.pick_depthwise_config(100352, 96, 25)
         consts = dict(_flags(w, x, out, None, 5, "hardswish"), BLOCK_M=cfg.block_m,
@@ -89,12 +106,17 @@ def compiled():
     return run_child(__file__)
 
 
-@pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
+@pytest.mark.parametrize("name", [v[0] for v in VARIANTS] + [p[0] for p in PROMOTED])
 def test_conv_schedule_fits_uses_wgmma_and_rounds_products(compiled, name):
     info = compiled[name]
     assert info["shared"] <= 232448, "more shared memory than an H100/H200 block may have"
     assert info["wgmma"], "an int8/fp8 dot of 64+ rows must use wgmma"
     assert info["mul_rn"], "epilogue products must be explicitly rounded (common.mul_rn)"
+
+
+def test_fp8_promotion_adds_the_partials(compiled):
+    """``FP8_PROMOTE`` reaches the wgmma lowering: float32 adds of each interval's partial."""
+    assert compiled["3x3-fp8-promote-32"]["add_f32"] > compiled["3x3-fp8-default"]["add_f32"]
 
 
 def test_depthwise_patch_and_pool_kernels_compile(compiled):
