@@ -84,7 +84,10 @@ def test_random_residual_wirings(wiring, seed):
     adds = [n for n in qmodel.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
     assert adds == [], "the residual add was not fused"
     with torch.no_grad():
-        assert sqnr_db(model(x), qmodel(x)) > 20
+        # int8 per-tensor through three random 8-channel convs, calibrated on 12 images: 18.8 dB
+        # at wiring (F, T, F, F, F) seed 2 (a 20 dB floor failed CI's draw there); a residual
+        # wired to the wrong branch or added twice lands near 0 dB.
+        assert sqnr_db(model(x), qmodel(x)) > 15
 
 
 def test_add_goes_to_the_chain_computed_last():
