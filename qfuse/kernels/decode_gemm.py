@@ -25,8 +25,8 @@ are exact in any order, so int8 outputs stay bit-identical to the CPU reference;
 fixed order per schedule (deterministic), within float32 rounding of the reference.
 
 Chosen by ``tuning`` (``GemmConfig.decode``) for the small-M buckets; launched with the same
-arguments as ``qgemm._qlinear_kernel`` (plus the ``WORDS`` and ``EVEN_K`` constexprs), so the
-eager cached launch and ``wrap_triton`` take it unchanged.
+arguments as ``qgemm._qlinear_kernel`` (plus the ``WORDS``, ``EVEN_K`` and ``X_WORDS``
+constexprs), so the eager cached launch and ``wrap_triton`` take it unchanged.
 """
 
 from __future__ import annotations
@@ -58,10 +58,17 @@ def dp4a(a, b, c):
 
 @triton.jit
 def _x_words(x_ptr, x_inv_scale_ptr, offs_m, mask_m, kw, K, stride_xm, stride_xk, x_inv_scale,
-             x_zp, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr):
-    """x[offs_m, 4 kw + j] (j = 0..3) as int8 packed little-endian into int32 words [BM, BKW],
-    quantized first when x is float. Four strided loads: x is M x K (a few KB, L1-resident
-    after the first program), the weights are what must stream."""
+             x_zp, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr, X_WORDS: tl.constexpr):
+    """x[offs_m, 4 kw + j] (j = 0..3) as int8 packed little-endian into int32 words [BM, BKW].
+
+    ``X_WORDS`` (int8 x, rows 4-byte aligned): read as words, one vector load. Otherwise four
+    strided loads, quantized first when x is float: x is M x K (a few KB, L1-resident after the
+    first program), the weights are what must stream. Every program quantizes the x columns it
+    needs, ~13 operations an element against one dp4a per four weight bytes per row it shares
+    them with: hence the ``prequantize`` decode candidates (one small pass, then words)."""
+    if X_WORDS:
+        rows = (x_ptr + tl.where(mask_m, offs_m, 0) * stride_xm).to(tl.pointer_type(tl.int32))
+        return tl.load(rows[:, None] + kw[None, :], mask=(kw < K // 4)[None, :], other=0)
     word = tl.zeros((offs_m.shape[0], kw.shape[0]), dtype=tl.int32)
     for j in tl.static_range(4):
         k = kw * 4 + j
@@ -94,8 +101,10 @@ def _x_tile(x_ptr, x_inv_scale_ptr, offs_m, mask_m, k, K, stride_xm, stride_xk, 
         else:
             a = quantize_int8(a.to(tl.float32), inv, x_zp)
     if FP8:
-        return a.to(tl.float32)
-    return a.to(tl.int32)
+        a = a.to(tl.float32)
+    else:
+        a = a.to(tl.int32)
+    return a
 
 
 @triton.jit
@@ -104,7 +113,7 @@ def decode_accumulate(
     stride_xm, stride_xk, stride_wn, stride_wk,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
     HAS_X_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
 ):
     """acc [BM, BN] = x_q[offs_m, K-steps k_first..k_end) @ W[cols, same]^T.
 
@@ -123,8 +132,10 @@ def decode_accumulate(
         BKW: tl.constexpr = BLOCK_K // 4
         KW = K // 4
         offs_kw = tl.arange(0, BKW)
-        w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + cols[:, None] * (stride_wn // 4)
-                  + (k_first * BKW + offs_kw)[None, :])
+        # Row starts in bytes first (stride_wn is specialized as a multiple of 16, so the
+        # compiler knows each row is 16-byte aligned), then words: v4 loads, not 4 scalar ones.
+        rows = w_ptr + cols * stride_wn + k_first * BLOCK_K
+        w_ptrs = rows.to(tl.pointer_type(tl.int32))[:, None] + offs_kw[None, :]
         acc3 = tl.zeros((offs_m.shape[0], cols.shape[0], BKW), dtype=tl.int32)
         if EVEN_K:
             w_next = tl.load(w_ptrs, mask=k_first < k_end, other=0)
@@ -140,18 +151,24 @@ def decode_accumulate(
                 w_next = tl.load(w_ptrs, mask=(k + 1 < k_end)
                                  & (offs_kw < KW - (k + 1) * BKW)[None, :], other=0)
             xw = _x_words(x_ptr, x_inv_scale_ptr, offs_m, mask_m, k * BKW + offs_kw, K,
-                          stride_xm, stride_xk, x_inv_scale, x_zp, X_QUANTIZED, X_INV_VEC)
+                          stride_xm, stride_xk, x_inv_scale, x_zp, X_QUANTIZED, X_INV_VEC,
+                          X_WORDS)
             acc3 = dp4a(tl.broadcast_to(xw[:, None, :], acc3.shape),
                         tl.broadcast_to(w[None, :, :], acc3.shape), acc3)
         return tl.sum(acc3, axis=2)
     else:
+        # One row: accumulate lane-wise, sum once at the end. Several rows: a lane accumulator
+        # per row would hold BLOCK_M x as many registers (fp8, 8 rows x 8 x 256: 128 a thread),
+        # so each step's products are summed over K at once (in-thread adds, then a few
+        # shuffles), in a fixed order as well.
+        LANES: tl.constexpr = offs_m.shape[0] == 1
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = (w_ptr + cols[:, None] * stride_wn
                   + (k_first * BLOCK_K + offs_k)[None, :] * stride_wk)
-        if FP8:
-            acc3 = tl.zeros((offs_m.shape[0], cols.shape[0], BLOCK_K), dtype=tl.float32)
-        else:
-            acc3 = tl.zeros((offs_m.shape[0], cols.shape[0], BLOCK_K), dtype=tl.int32)
+        acc_dtype = tl.float32 if FP8 else tl.int32
+        acc = tl.zeros((offs_m.shape[0], cols.shape[0]), dtype=acc_dtype)
+        if LANES:
+            acc3 = tl.zeros((1, cols.shape[0], BLOCK_K), dtype=acc_dtype)
         if EVEN_K:
             w_next = tl.load(w_ptrs, mask=k_first < k_end, other=0.0)
         else:
@@ -169,7 +186,13 @@ def decode_accumulate(
                         stride_xm, stride_xk, x_inv_scale, x_zp, FP8, X_QUANTIZED, X_INV_VEC,
                         EXACT)
             if FP8:
-                acc3 += a[:, None, :] * w.to(tl.float32)[None, :, :]
+                prod = a[:, None, :] * w.to(tl.float32)[None, :, :]
             else:
-                acc3 += a[:, None, :] * w.to(tl.int32)[None, :, :]
-        return tl.sum(acc3, axis=2)
+                prod = a[:, None, :] * w.to(tl.int32)[None, :, :]
+            if LANES:
+                acc3 += prod
+            else:
+                acc += tl.sum(prod, axis=2)
+        if LANES:
+            acc = tl.sum(acc3, axis=2)
+        return acc

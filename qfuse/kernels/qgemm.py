@@ -318,8 +318,8 @@ def _qlinear_decode_kernel(
     OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    # decode only: W read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K (no masks)
-    WORDS: tl.constexpr, EVEN_K: tl.constexpr,
+    # decode only: W (and int8 x) read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K
+    WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
 ):
     """``_qlinear_kernel``'s arguments and numbers for small M without tensor cores: see
     ``decode_gemm``. Program ``(pid, s)`` computes rows ``BLOCK_M`` x columns ``BLOCK_N`` over
@@ -344,7 +344,7 @@ def _qlinear_decode_kernel(
     acc = decode_accumulate(
         x_ptr, w_ptr, x_inv_scale_ptr, x_zp_ptr, offs_m, offs_m < M, cols, K, k_first, k_end,
         stride_xm, stride_xk, stride_wn, stride_wk,
-        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K,
+        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K, X_WORDS,
     )
     is_last = True
     if SPLIT_K > 1:
@@ -396,11 +396,13 @@ def _kernel(cfg: GemmConfig):
     return _qlinear_persistent_kernel if cfg.persistent else _qlinear_kernel
 
 
-def _words(weight: torch.Tensor) -> bool:
-    """Whether the decode kernel may read int8 ``weight`` [N, K] as int32 words: K-contiguous
-    rows of a multiple of 4 bytes, starting 4-byte aligned (the storage itself is)."""
-    return (weight.dtype == torch.int8 and weight.stride(1) == 1 and weight.shape[1] % 4 == 0
-            and weight.stride(0) % 4 == 0 and weight.storage_offset() % 4 == 0)
+def _words(t: torch.Tensor) -> bool:
+    """Whether the decode kernel may read int8 ``t`` (W [N, K] or x [M, K]) as int32 words:
+    K-contiguous rows of a multiple of 4 bytes, starting 4-byte aligned (the storage itself
+    is). The eager plans launch only on contiguous, 16-byte aligned x, so this holds for them
+    whenever it held when they were built."""
+    return (t.dtype == torch.int8 and t.stride(1) == 1 and t.shape[1] % 4 == 0
+            and t.stride(0) % 4 == 0 and t.storage_offset() % 4 == 0)
 
 
 def _is_quantized(x: torch.Tensor) -> bool:
@@ -460,7 +462,8 @@ def gemm_args(
         EPI_SPLIT=cfg.epi_split,
     )
     if cfg.decode:
-        args.update(WORDS=_words(weight), EVEN_K=K % cfg.block_k == 0)
+        words = _words(weight)
+        args.update(WORDS=words, EVEN_K=K % cfg.block_k == 0, X_WORDS=words and _words(x))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return (_grid0(cfg, tiles, x.device), cfg.split_k), args, options
 

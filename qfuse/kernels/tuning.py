@@ -179,13 +179,14 @@ def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
 
 # The decode kernel's schedules as data: (block_n, block_k, num_warps), the expected best
 # first (not yet measured on a GPU: bench/decode_gemm_ab.py times each; reorder after it).
-# A program holds block_m x block_n x block_k/4 int32 lanes (int8 in dp4a words) or
-# x block_k (fp8); block_k shrinks until a thread holds at most DECODE_LANES of them.
+# A program accumulates block_m x block_n x block_k/4 int32 lanes (int8 in dp4a words) or
+# block_n x block_k (fp8 / odd-K int8, one row; more rows sum each step); block_k shrinks
+# until a thread holds at most DECODE_LANES of them.
 DECODE_SHAPES = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 8))
 # Buckets up to DECODE_MAX_M get decode candidates; up to DECODE_FIRST_M they come first.
 DECODE_MAX_M = 32
 DECODE_FIRST_M = 8
-DECODE_LANES = 64
+DECODE_LANES = 32
 # Programs to aim for per SM: a program keeps one block_n x block_k step in flight (plus the
 # one it multiplies), so ~8 of 4-16 KB per SM keep several MB in flight on 132 SMs, what the
 # H200's 4.8 TB/s at ~0.8 us memory latency needs.
@@ -202,8 +203,15 @@ def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmC
     out = []
     for i, (bn, bk, warps) in enumerate(DECODE_SHAPES):
         bk = min(bk, max(32, triton.next_power_of_2(K)))
-        while bk > 32 and bm * bn * (bk // 4 if words else bk) > DECODE_LANES * 32 * warps:
+        # Lane accumulators (int8 words, or one row) cap block_k; so do several rows' products
+        # summed each step, at 4x the count (transient: fp8 8x16x512 spilled at 255 registers,
+        # 8x8x512 took 167, compiled for sm_90). Every thread still loads at least 16 bytes of
+        # W a step (one vector load), whatever the cap says.
+        lanes = bk // 4 if words or bm > 1 else bk
+        while (bk > 32 and bn * bk // 2 >= 16 * 32 * warps
+               and bm * bn * lanes > DECODE_LANES * 32 * warps):
             bk //= 2
+            lanes //= 2
         programs = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         k_tiles = triton.cdiv(K, bk)
         split = 1
@@ -212,6 +220,11 @@ def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmC
         for s in (split, split // 2) if i == 0 and split > 1 else (split,):
             out.append(GemmConfig(bm, bn, bk, group_m=1, split_k=s, num_warps=warps,
                                   num_stages=1, decode=True))
+    if kind == "int8-xf":
+        # Float x is quantized by every program for the columns it reads (~13 operations an
+        # element, shared by only block_n weight rows): the first shape once more with a
+        # separate quantize pass, after which x is read as words.
+        out.insert(1, dataclasses.replace(out[0], prequantize=True))
     return list(dict.fromkeys(out))
 
 

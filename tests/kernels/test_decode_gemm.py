@@ -7,6 +7,8 @@ K tails, split-K with uneven and empty splits, and two calls in a row (counters 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_gated_epilogue import gated_case
@@ -62,15 +64,28 @@ def test_decode_gated(device, qdtype):
                          residual=True), decode(4, 8, 32, split=2))
 
 
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.zeros(t.shape[0], t.shape[1] + 1, dtype=t.dtype, device=t.device)
+    wide[:, 1:] = t
+    return wide[:, 1:]
+
+
 def test_decode_words_need_aligned_rows(device):
-    """A weight view whose rows are not 4-byte aligned takes the byte path, same numbers."""
-    args = make_case(2, 64, 16, device, out_dtype=torch.int8)
-    wide = torch.zeros(16, 65, dtype=torch.int8, device=device)
-    wide[:, 1:] = args["weight"]
-    view = wide[:, 1:]
-    assert not qgemm._words(view) and qgemm._words(args["weight"])
-    torch.testing.assert_close(qgemm.qlinear(**args | {"weight": view}, config=decode(2, 8, 32)),
-                               qgemm.qlinear(**args, config=decode(2, 8, 32)), rtol=0, atol=0)
+    """Weights or int8 x whose rows are not 4-byte aligned take the byte path, same numbers."""
+    args = make_case(2, 64, 16, device, x_mode="quantized", out_dtype=torch.int8)
+    w, x = _unaligned(args["weight"]), _unaligned(args["x"])
+    assert not qgemm._words(w) and qgemm._words(args["weight"]) and qgemm._words(args["x"])
+    want = qgemm.qlinear(**args, config=decode(2, 8, 32))
+    for changed in ({"weight": w}, {"x": x}, {"weight": w, "x": x}):
+        torch.testing.assert_close(qgemm.qlinear(**args | changed, config=decode(2, 8, 32)), want,
+                                   rtol=0, atol=0)
+
+
+def test_decode_prequantized_float_x(device):
+    """A separate quantize pass, then x read as words: the prologue's numbers."""
+    cfg = dataclasses.replace(decode(1, 8, 64, split=2), prequantize=True)
+    for zp in (False, True):
+        check(make_case(1, 128, 24, device, act="silu", out_dtype=torch.int8, zp=zp), cfg)
 
 
 def test_decode_candidates_lead_small_buckets():
