@@ -128,7 +128,7 @@ def qfuse_configs(case: Case, sms: int) -> list:
 def cfg_name(cfg) -> str:
     tag = "decode" if cfg.decode else "mma"
     return (f"{tag} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} "
-            f"w{cfg.num_warps} st{cfg.num_stages}")
+            f"w{cfg.num_warps} st{cfg.num_stages}" + (" +quantize pass" if cfg.prequantize else ""))
 
 
 def _run_qfuse(args: dict, cfg):
@@ -364,7 +364,8 @@ def main() -> None:
     bad = [(r["case"], x["name"], x["error"]) for r in results for x in r["rows"]
            if x.get("error") and x["impl"] == "qfuse"]
     env = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               torch=torch.__version__, seconds=round(time.time() - t0, 1))
+               torch=torch.__version__, seconds=round(time.time() - t0, 1),
+               commit=os.environ.get("QFUSE_COMMIT", "unknown"))
     import triton
 
     env["triton"] = triton.__version__
