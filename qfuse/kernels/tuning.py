@@ -220,10 +220,10 @@ def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmC
         for s in (split, split // 2) if i == 0 and split > 1 else (split,):
             out.append(GemmConfig(bm, bn, bk, group_m=1, split_k=s, num_warps=warps,
                                   num_stages=1, decode=True))
-    if kind == "int8-xf":
+    if kind.endswith("xf"):
         # Float x is quantized by every program for the columns it reads (~13 operations an
         # element, shared by only block_n weight rows): the first shape once more with a
-        # separate quantize pass, after which x is read as words.
+        # separate quantize pass (after which int8 x is read as words).
         out.insert(1, dataclasses.replace(out[0], prequantize=True))
     return list(dict.fromkeys(out))
 

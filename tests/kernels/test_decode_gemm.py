@@ -82,10 +82,11 @@ def test_decode_words_need_aligned_rows(device):
 
 
 def test_decode_prequantized_float_x(device):
-    """A separate quantize pass, then x read as words: the prologue's numbers."""
+    """A separate quantize pass, then (int8) x read as words: the prologue's numbers."""
     cfg = dataclasses.replace(decode(1, 8, 64, split=2), prequantize=True)
     for zp in (False, True):
         check(make_case(1, 128, 24, device, act="silu", out_dtype=torch.int8, zp=zp), cfg)
+    check(make_case(1, 128, 24, device, qdtype=FP8, act="silu", out_dtype=FP8), cfg)
 
 
 def test_decode_candidates_lead_small_buckets():
