@@ -8,13 +8,14 @@ At decode sizes (M = 1..32 tokens) a quantized GEMM is a weight stream: TinyLlam
 4 MB of int8, 0.9 us at the H200's 4.8 TB/s. ``qgemm._qlinear_kernel`` pads M to a 16-row MMA
 and fills the GPU by split-K over 64..256-column tiles: 32..160 programs, each streaming its
 tile through a pipeline, measured at 1.06 TB/s over a decode step (README, LLM decode). Here a
-program owns ``BLOCK_N`` whole weight rows (as few as 4) and ``BLOCK_K`` columns per step, so a
-2048-row weight gives 256..512 programs (several per SM, their loads all in flight at once), W
-is read in its stored [N, K] layout (K contiguous: 16-byte vector loads), and the next step's
-weights are loaded before this step's products (two loads in flight per program and thread).
-Without split-K each program reduces its own rows over all of K, so no workspace or second
-pass; with it (narrow N, e.g. 256-row K/V projections) the tile's last program sums the
-partials in a fixed order as ``qgemm`` does (``qgemm._split_k_reduce``).
+program owns ``BLOCK_N`` whole weight rows (4..16) and ``BLOCK_K`` columns per step, so a
+2048-row weight gives 128..512 column blocks, and split-K (``tuning.decode_candidates``) brings
+the grid to ~8 programs per SM, each with its few steps' loads in flight; W is read in its
+stored [N, K] layout (K contiguous: 16-byte vector loads), and the next step's weights are
+loaded before this step's products. Without split-K (gate+up: 1408 column blocks of 8) each
+program reduces its rows over all of K: no workspace, no second pass. With it, the tile's last
+program sums the [BLOCK_M, BLOCK_N] partials in a fixed order (``qgemm._split_k_reduce``): a
+few hundred bytes, no second launch.
 
 Products are plain vector math, accumulated lane-wise in ``acc3`` [BLOCK_M, BLOCK_N, lanes] and
 summed once after the K loop. int8 with K % 4 == 0 ("words"): W is read as int32 words of four
