@@ -192,12 +192,14 @@ _ROWS.update({
     "NVIDIA H200|int8-xq|M4096|N768|K3072": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
 })
 
-_DEFAULTS = (1, False)  # epi_split, persistent for the 8-field rows
+# Decode rows (M buckets 1..32, measured by bench/decode_gemm_ab.py) may add an 11th field,
+# decode: True selects ``qgemm._qlinear_decode_kernel`` (group_m, epi_split, persistent unused).
+_DEFAULTS = (1, False, False)  # epi_split, persistent, decode for the shorter rows
 
 
 def _row(row: tuple) -> dict:
     row = row + _DEFAULTS[len(row) - 8:]
-    return dict(zip(_FIELDS + ("epi_split", "persistent"), row, strict=True))
+    return dict(zip(_FIELDS + ("epi_split", "persistent", "decode"), row, strict=True))
 
 
 TUNED: dict[str, dict] = {key: _row(row) for key, row in _ROWS.items()}

@@ -1,7 +1,7 @@
 """Schedules for ``_qlinear_kernel``: candidates per M bucket, autotuning, and an on-disk cache.
 
 A schedule is chosen per (GPU name, kernel kind, M bucket, N, K). M is rounded up to a power of
-two (16 ... 8192, then one bucket for everything larger), so a server whose batch size varies
+two (1, 2, 4 ... 8192, then one bucket for everything larger), so a server whose batch size varies
 tunes once per bucket, never per exact M; the kernel does not specialize on M either
 (``do_not_specialize``), so a new M never recompiles.
 
@@ -42,9 +42,14 @@ class GemmConfig:
     epi_split: int = 1
     # One program per SM walking the tiles (``qgemm._qlinear_persistent_kernel``); no split-K.
     persistent: bool = False
+    # The weight-streaming kernel without tensor cores (``qgemm._qlinear_decode_kernel``, see
+    # ``kernels/decode_gemm.py``): block_m rows x block_n weight rows per program, no stages.
+    decode: bool = False
 
 
-M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Decode batches get their own buckets below 16: the decode kernel computes every row of its
+# block_m (no MMA padding to hide it), so M = 1 must not run a schedule sized for 16 rows.
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Buckets up to this M stream weights (decode): autotune times them with a cold L2.
 WEIGHT_STREAMING = 64
 # A list to collect every autotune's timings in (benchmarks set it; None: not kept).
@@ -93,25 +98,14 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     x_float = kind.endswith("xf")
     b = m_bucket(M)
     out = []
+    if b <= DECODE_MAX_M:
+        # The decode kernel (no MMA, see kernels/decode_gemm.py) first where the M bucket is
+        # at most DECODE_FIRST_M; the MMA schedules stay in the list for autotune to compare.
+        decode = decode_candidates(M, N, K, kind, sms)
+        mma = _streaming_candidates(M, N, K, x_float, sms, short=True)
+        return decode + mma if b <= DECODE_FIRST_M else mma + decode
     if b <= 64:
-        # Weight streaming: a 16-row MMA wastes rows but the loop is bound by W bytes; wide K
-        # blocks keep more bytes in flight per program, split-K fills the SMs.
-        bm = max(16, b)
-        shapes = ((64, 256, 4), (128, 256, 3), (128, 128, 5))
-        if bm <= 32:  # 512-wide K tiles of a 64-row x overflow shared memory (262 KB > 227 KB)
-            # 32-column tiles: twice the programs on the narrow decode GEMMs (N = 2048 is 32
-            # tiles of 64 on 132 SMs) without deeper split-K reductions.
-            shapes += ((64, 512, 3), (32, 512, 3), (32, 256, 4))
-        pre = []
-        for bn, bk, stages in shapes:
-            tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-            split = _split_for(tiles, triton.cdiv(K, bk), sms)
-            splits = {split, split * 2} if bn == 32 else {split, max(1, split // 2), split * 2}
-            for s in sorted(splits):
-                if s == 1 or triton.cdiv(K, bk) // s >= 2:
-                    out.append(GemmConfig(bm, bn, bk, split_k=s, num_stages=stages))
-            pre.append(GemmConfig(bm, bn, bk, split_k=split, num_stages=stages, prequantize=True))
-        return out + pre if x_float and b == 64 else out
+        return _streaming_candidates(M, N, K, x_float, sms)
     if b <= 256:
         for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (64, 256, 8)):
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -151,6 +145,87 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
         # the two schedules that came closest are kept in the prologue form.
         out += [dataclasses.replace(c, prequantize=False) for c in out[:3:2]]
     return out
+
+
+def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
+                          short: bool = False) -> list[GemmConfig]:
+    """MMA schedules (``_qlinear_kernel``) for the weight-streaming buckets (M <= 64).
+    ``short``: the first choice's split-K and twice it only, at most 10 (room for the decode
+    kernel's candidates within the 16 a bucket may compile)."""
+    b = m_bucket(M)
+    out = []
+    # Weight streaming: a 16-row MMA wastes rows but the loop is bound by W bytes; wide K
+    # blocks keep more bytes in flight per program, split-K fills the SMs.
+    bm = max(16, b)
+    shapes = ((64, 256, 4), (128, 256, 3), (128, 128, 5))
+    if bm <= 32:  # 512-wide K tiles of a 64-row x overflow shared memory (262 KB > 227 KB)
+        # 32-column tiles: twice the programs on the narrow decode GEMMs (N = 2048 is 32
+        # tiles of 64 on 132 SMs) without deeper split-K reductions.
+        shapes += ((64, 512, 3), (32, 512, 3), (32, 256, 4))
+    pre = []
+    for bn, bk, stages in shapes:
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        split = _split_for(tiles, triton.cdiv(K, bk), sms)
+        wide = bn == 32 or short
+        splits = {split, split * 2} if wide else {split, max(1, split // 2), split * 2}
+        for s in sorted(splits):
+            if s == 1 or triton.cdiv(K, bk) // s >= 2:
+                out.append(GemmConfig(bm, bn, bk, split_k=s, num_stages=stages))
+        pre.append(GemmConfig(bm, bn, bk, split_k=split, num_stages=stages, prequantize=True))
+    if short:
+        out = out[:10]
+    return out + pre if x_float and b == 64 else out
+
+
+# The decode kernel's schedules as data: (block_n, block_k, num_warps), the expected best
+# first (not yet measured on a GPU: bench/decode_gemm_ab.py times each; reorder after it).
+# A program accumulates block_m x block_n x block_k/4 int32 lanes (int8 in dp4a words) or
+# block_n x block_k (fp8 / odd-K int8, one row; more rows sum each step); block_k shrinks
+# until a thread holds at most DECODE_LANES of them.
+DECODE_SHAPES = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 8))
+# Buckets up to DECODE_MAX_M get decode candidates; up to DECODE_FIRST_M they come first.
+DECODE_MAX_M = 32
+DECODE_FIRST_M = 8
+DECODE_LANES = 32
+# Programs to aim for per SM: a program keeps one block_n x block_k step in flight (plus the
+# one it multiplies), so ~8 of 4-16 KB per SM keep several MB in flight on 132 SMs, what the
+# H200's 4.8 TB/s at ~0.8 us memory latency needs.
+DECODE_PROGRAMS_PER_SM = 8
+
+
+def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
+    """Schedules of ``qgemm._qlinear_decode_kernel`` for this shape (``DECODE_SHAPES``):
+    block_m the M bucket, at most 8 (larger M runs several row blocks, which re-read their
+    weights from L2); split-K doubled until the GPU holds ``DECODE_PROGRAMS_PER_SM`` programs an
+    SM while every split keeps at least one K step; the first shape also at half that split."""
+    bm = min(m_bucket(M), 8)
+    words = kind.startswith("int8") and K % 4 == 0
+    out = []
+    for i, (bn, bk, warps) in enumerate(DECODE_SHAPES):
+        bk = min(bk, max(32, triton.next_power_of_2(K)))
+        # Lane accumulators (int8 words, or one row) cap block_k; so do several rows' products
+        # summed each step, at 4x the count (transient: fp8 8x16x512 spilled at 255 registers,
+        # 8x8x512 took 167, compiled for sm_90). Every thread still loads at least 16 bytes of
+        # W a step (one vector load), whatever the cap says.
+        lanes = bk // 4 if words or bm > 1 else bk
+        while (bk > 32 and bn * bk // 2 >= 16 * 32 * warps
+               and bm * bn * lanes > DECODE_LANES * 32 * warps):
+            bk //= 2
+            lanes //= 2
+        programs = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        k_tiles = triton.cdiv(K, bk)
+        split = 1
+        while programs * split < DECODE_PROGRAMS_PER_SM * sms and split * 2 <= k_tiles:
+            split *= 2
+        for s in (split, split // 2) if i == 0 and split > 1 else (split,):
+            out.append(GemmConfig(bm, bn, bk, group_m=1, split_k=s, num_warps=warps,
+                                  num_stages=1, decode=True))
+    if kind.endswith("xf"):
+        # Float x is quantized by every program for the columns it reads (~13 operations an
+        # element, shared by only block_n weight rows): the first shape once more with a
+        # separate quantize pass (after which int8 x is read as words).
+        out.insert(1, dataclasses.replace(out[0], prequantize=True))
+    return list(dict.fromkeys(out))
 
 
 def _cache_path() -> str:
@@ -301,6 +376,8 @@ def for_epilogue(cfg: GemmConfig, heavy: bool) -> GemmConfig:
 def fits(cfg: GemmConfig, kind: str, x_bytes: int = 2) -> bool:
     """Whether the pipelined tiles fit in shared memory with room to spare (200 of the 227 KB a
     Hopper block may have): a float x quantized in the prologue is staged at its own width."""
+    if cfg.decode:  # registers only (decode_candidates sized them), no shared-memory stages
+        return True
     a_bytes = x_bytes if kind.endswith("xf") and not cfg.prequantize else 1
     stage = cfg.block_m * cfg.block_k * a_bytes + cfg.block_k * cfg.block_n
     return cfg.num_stages * stage <= 200 * 1024

@@ -78,7 +78,7 @@ def test_decode_buckets_are_timed_cold_and_reported(fake_gpu, monkeypatch):
         tuning.pick_config(M, 2048, 2048, "int8-xf", dev, False, run=lambda c: None)
     assert fake_gpu.colds == [True, True, False]
     assert [r["cold"] for r in tuning.REPORTS] == [True, True, False]
-    assert tuning.REPORTS[0]["key"] == "Fake GPU|int8-xf|M16|N2048|K2048"
+    assert tuning.REPORTS[0]["key"] == "Fake GPU|int8-xf|M1|N2048|K2048"  # M=1: its own bucket
     assert tuning.REPORTS[0]["times_ms"][0][1] == 0.001
 
 
@@ -91,7 +91,7 @@ def test_no_autotune_when_disabled(fake_gpu, monkeypatch):
 def test_shipped_table_is_used_for_its_gpu(fake_gpu, monkeypatch):
     key = "Fake GPU|int8-xq|M16|N64|K64"
     monkeypatch.setitem(tuning.TUNED, key, {"block_m": 16, "block_n": 32, "block_k": 64})
-    cfg = tuning.pick_config(3, 64, 64, "int8-xq", torch.device("cpu"), False, run=print)
+    cfg = tuning.pick_config(13, 64, 64, "int8-xq", torch.device("cpu"), False, run=print)
     assert cfg == GemmConfig(16, 32, 64) and fake_gpu.calls == []
 
 

@@ -1,0 +1,106 @@
+"""The decode kernel (``qgemm._qlinear_decode_kernel``, ``kernels/decode_gemm.py``) against the
+reference, as in test_qgemm: int8 bit-exact, fp8 within its float32 accumulation.
+
+Shapes cover M = 1 and a few rows over several row blocks, odd N (a partial column block,
+gated pairs cut at the edge), odd K (the byte path) and K % 4 == 0 (int8 read as dp4a words),
+K tails, split-K with uneven and empty splits, and two calls in a row (counters reset)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_gated_epilogue import gated_case
+from test_qgemm import FP8, check, make_case
+
+from qfuse.kernels import qgemm, tuning
+from qfuse.kernels.tuning import GemmConfig
+
+
+def decode(bm, bn, bk, split=1, warps=4):
+    return GemmConfig(bm, bn, bk, group_m=1, split_k=split, num_warps=warps, num_stages=1,
+                      decode=True)
+
+
+SCHEDULES = {
+    "m1": decode(1, 8, 64),
+    "m2_split3": decode(2, 4, 32, split=3),  # uneven splits over 5 K steps
+    "m4_split4_empty": decode(4, 16, 64, split=4),  # splits with no K step at all
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("K", [150, 152], ids=["k_odd", "k_words"])
+def test_decode_schedules(device, name, qdtype, K):
+    cfg = SCHEDULES[name]
+    for M, out_dtype, x_mode in ((1, torch.int8, "static"), (5, torch.bfloat16, "channels"),
+                                 (3, torch.int8, "quantized")):
+        check(make_case(M, K, 37, device, qdtype=qdtype, x_mode=x_mode, act="silu",
+                        out_dtype=out_dtype, residual=True), cfg)
+    if qdtype == torch.int8:  # zero points: the prologue's and the epilogue's
+        for x_mode in ("static", "quantized"):
+            check(make_case(3, K, 21, device, x_mode=x_mode, act="gelu", out_dtype=torch.int8,
+                            zp=True), cfg)
+    a = make_case(2, K, 24, device, qdtype=qdtype, out_dtype=torch.int8, seed=3)
+    torch.testing.assert_close(qgemm.qlinear(**a, config=cfg), qgemm.qlinear(**a, config=cfg),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("x_mode", ["dynamic", "rows"])
+def test_decode_per_token_scales(device, qdtype, x_mode):
+    check(make_case(3, 64, 20, device, qdtype=qdtype, x_mode=x_mode, act="relu",
+                    out_dtype=torch.float32), decode(4, 8, 32, split=2))
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_decode_gated(device, qdtype):
+    # N = 2 x 35 interleaved gate/up rows: the last column block holds a partial set of pairs.
+    out = torch.int8 if qdtype == torch.int8 else torch.float32
+    for M in (1, 6):
+        check(gated_case(M, 96, 70, device, "swiglu", qdtype=qdtype, out_dtype=out,
+                         residual=True), decode(4, 8, 32, split=2))
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.zeros(t.shape[0], t.shape[1] + 1, dtype=t.dtype, device=t.device)
+    wide[:, 1:] = t
+    return wide[:, 1:]
+
+
+def test_decode_words_need_aligned_rows(device):
+    """Weights or int8 x whose rows are not 4-byte aligned take the byte path, same numbers."""
+    args = make_case(2, 64, 16, device, x_mode="quantized", out_dtype=torch.int8)
+    w, x = _unaligned(args["weight"]), _unaligned(args["x"])
+    assert not qgemm._words(w) and qgemm._words(args["weight"]) and qgemm._words(args["x"])
+    want = qgemm.qlinear(**args, config=decode(2, 8, 32))
+    for changed in ({"weight": w}, {"x": x}, {"weight": w, "x": x}):
+        torch.testing.assert_close(qgemm.qlinear(**args | changed, config=decode(2, 8, 32)), want,
+                                   rtol=0, atol=0)
+
+
+def test_decode_prequantized_float_x(device):
+    """A separate quantize pass, then (int8) x read as words: the prologue's numbers."""
+    cfg = dataclasses.replace(decode(1, 8, 64, split=2), prequantize=True)
+    for zp in (False, True):
+        check(make_case(1, 128, 24, device, act="silu", out_dtype=torch.int8, zp=zp), cfg)
+    check(make_case(1, 128, 24, device, qdtype=FP8, act="silu", out_dtype=FP8), cfg)
+
+
+def test_decode_candidates_lead_small_buckets():
+    """Decode schedules come first up to DECODE_FIRST_M, after the MMA ones up to
+    DECODE_MAX_M, never beyond; every split keeps a K step; a bucket compiles at most 16."""
+    for M in (1, 8, 16, 32, 64):
+        for kind in ("int8-xq", "fp8-xf"):
+            cands = tuning.candidates(M, 2048, 5632, kind, 132)
+            assert len(cands) <= 16
+            dec = [c for c in cands if c.decode]
+            if M > tuning.DECODE_MAX_M:
+                assert not dec
+                continue
+            assert dec and cands[0].decode == (M <= tuning.DECODE_FIRST_M)
+            for c in dec:
+                assert c.block_m <= max(M, 1) and -(-5632 // c.block_k) >= c.split_k
+                assert tuning.fits(c, kind)
