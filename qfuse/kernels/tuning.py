@@ -184,8 +184,12 @@ def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
 # until a thread holds at most DECODE_LANES of them.
 DECODE_SHAPES = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 8))
 # Buckets up to DECODE_MAX_M get decode candidates; up to DECODE_FIRST_M they come first.
-DECODE_MAX_M = 32
-DECODE_FIRST_M = 8
+# Measured on an H100 (bench/results/decode_ab_h100.txt, TinyLlama shapes, cold L2): at M = 1
+# the decode kernel beats the best MMA schedule (int8 qkv 10.1 vs 12.3 us, o_proj 10.1 vs
+# 11.8, gate+up 19.5 vs 20.0); at M = 8 it loses 5-20x (every row block re-reads its weights)
+# and at M = 32 10x or more, so it is a candidate for the 1- and 2-row buckets only.
+DECODE_MAX_M = 2
+DECODE_FIRST_M = 2
 DECODE_LANES = 32
 # Programs to aim for per SM: a program keeps one block_n x block_k step in flight (plus the
 # one it multiplies), so ~8 of 4-16 KB per SM keep several MB in flight on 132 SMs, what the
