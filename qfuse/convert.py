@@ -16,7 +16,7 @@ from torch import fx
 
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
-from qfuse.fusion.eager_calls import tensor_methods
+from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
@@ -378,7 +378,7 @@ def convert(
         for c in state.chains
         if c.name in keep_float
     ]
-    tensor_methods(gm)  # eager host time: view ops as tensor methods
+    eager_rewrites(gm)  # eager host time: view ops as tensor methods, no all-ones masks
     state.skipped = kept + list(state.skipped)
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)

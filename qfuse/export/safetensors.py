@@ -44,7 +44,7 @@ from qfuse.export.tensors import (
 )
 from qfuse.fileio import atomic_path
 from qfuse.fusion.bn_fold import fold_batchnorm
-from qfuse.fusion.eager_calls import tensor_methods
+from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.gated import merge_siblings
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, find_chains
@@ -146,7 +146,7 @@ def load(
     fuse_chains(gm, chains, modules)
     fuse_layernorm_quant(gm)  # as convert did: the readers' saved layouts expect it
     fuse_maxpool_quant(gm)  # a conv saved with a quantized output pools quantized again
-    tensor_methods(gm)
+    eager_rewrites(gm)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.
