@@ -1,12 +1,15 @@
-"""QAT recipe, reduced (2 epochs): QAT recovers what PTQ loses on the hard configuration."""
+"""QAT recipe, as run (6 epochs, ~15 s): QAT recovers what PTQ loses on the hard configuration."""
 
 from recipes.qat_digits import run
 
 
 def test_qat_recovers_what_ptq_loses_with_per_tensor_weights_and_outliers():
-    r = run(epochs=2, progress=False)
+    # The recipe's 6 epochs, not a reduced 2: after 2 epochs QAT was 98.67 (5 images short of
+    # fp32) with 2 threads and 99.33 with 1, from the same float model: a toss-up on the budget.
+    r = run(epochs=6, progress=False)
     assert abs(r["fp32"] - r["fp32_float"]) <= 0.25  # planting keeps the float function
-    # measured: fp32 99.78, PTQ 98.22, QAT after 2 epochs 99.33 (the full 6 epochs: 99.56)
+    # measured 2026-11-25, 2 cores (AMD EPYC, AVX2): fp32 99.78, PTQ 97.11, QAT 99.56 (2 threads),
+    # 98.89 (1 thread)
     assert r["ptq"] <= r["fp32"] - 1.0  # one scale per tensor cannot hold the outliers
     assert r["qat"] >= r["ptq"] + 0.4
     assert r["fp32"] - r["qat"] <= 1.0
