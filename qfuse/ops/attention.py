@@ -17,8 +17,8 @@ import torch
 
 def drop_full_mask(mask: torch.Tensor) -> torch.Tensor | None:
     """None for a boolean ``mask`` that keeps every position, in plain eager calls; ``mask``
-    itself otherwise (a float mask, a traced, compiled, exported or graph-captured call, where
-    checking the values would need a device sync).
+    itself otherwise (a float mask, a meta tensor, a traced, compiled, exported or graph-captured
+    call, where checking the values would need a device sync or has no values).
 
     Example:
         >>> import torch
@@ -30,6 +30,7 @@ def drop_full_mask(mask: torch.Tensor) -> torch.Tensor | None:
     if (
         mask.dtype != torch.bool
         or type(mask) is not torch.Tensor
+        or mask.is_meta
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
         or (mask.is_cuda and torch.cuda.is_current_stream_capturing())
