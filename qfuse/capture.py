@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import warnings
 
 import torch
@@ -154,3 +155,64 @@ def follow_input_device(gm: fx.GraphModule) -> int:
     if rewritten:
         gm.recompile()
     return rewritten
+
+
+def inline_grad_wrappers(gm: fx.GraphModule) -> int:
+    """Inline ``wrap_with_set_grad_enabled`` subgraphs into ``gm`` (in place), then make their
+    device constants follow the input as ``follow_input_device`` does for the rest; returns how
+    many were inlined. For inference graphs only: the ops then run under the caller's grad mode.
+
+    torch 2.11's export wraps a ``with torch.no_grad():`` block of the model's forward (Llama's
+    rotary embedding) in that higher-order op around a submodule with its own graph, out of
+    ``follow_input_device``'s reach: a Llama converted on the CPU failed on the GPU with "Tensor
+    device mismatch! Expected: cpu" (H100, 2026-11-25). torch 2.13 inlines such blocks itself.
+
+    Example:
+        >>> class M(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         with torch.no_grad():
+        ...             y = torch.arange(x.shape[1], device=x.device, dtype=x.dtype)
+        ...         return x + y
+        >>> x = torch.randn(2, 3)
+        >>> gm = torch.export.export(M(), (x,), strict=False).module()
+        >>> n = inline_grad_wrappers(gm)
+        >>> gm(x.to("meta")).device.type
+        'meta'
+    """
+    wrapper = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    inlined = 0
+    for node in list(gm.graph.nodes):
+        if wrapper is None or node.op != "call_function" or node.target is not wrapper:
+            continue
+        holder = node.args[1]
+        sub = getattr(gm, holder.target) if isinstance(holder, fx.Node) else None
+        if not isinstance(sub, fx.GraphModule) or any(
+            n.op in ("get_attr", "call_module") for n in sub.graph.nodes
+        ):
+            continue  # attributes of its own: left wrapped
+        users = list(node.users)
+        if not all(u.target is operator.getitem for u in users):
+            continue
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        env = dict(zip(placeholders, node.args[2:], strict=True))
+        outputs = None
+        with gm.graph.inserting_before(node):
+            for sn in sub.graph.nodes:
+                if sn.op == "placeholder":
+                    continue
+                if sn.op == "output":
+                    outputs = fx.node.map_arg(sn.args[0], env.__getitem__)
+                    break
+                env[sn] = gm.graph.node_copy(sn, env.__getitem__)
+        for user in users:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not holder.users:
+            gm.graph.erase_node(holder)
+            delattr(gm, holder.target)
+        inlined += 1
+    if inlined:
+        gm.recompile()
+        follow_input_device(gm)
+    return inlined

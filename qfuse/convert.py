@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
+from qfuse.capture import inline_grad_wrappers
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.eager_calls import eager_rewrites
@@ -378,6 +379,7 @@ def convert(
         for c in state.chains
         if c.name in keep_float
     ]
+    inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
     eager_rewrites(gm)  # eager host time: view ops as tensor methods, no all-ones masks
     state.skipped = kept + list(state.skipped)
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}

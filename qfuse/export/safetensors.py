@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from qfuse.capture import capture
+from qfuse.capture import capture, inline_grad_wrappers
 from qfuse.errors import FormatError
 from qfuse.export.checks import converted_state, normalize_inputs
 from qfuse.export.format import (
@@ -146,6 +146,7 @@ def load(
     fuse_chains(gm, chains, modules)
     fuse_layernorm_quant(gm)  # as convert did: the readers' saved layouts expect it
     fuse_maxpool_quant(gm)  # a conv saved with a quantized output pools quantized again
+    inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
     eager_rewrites(gm)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
