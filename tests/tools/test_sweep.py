@@ -113,6 +113,18 @@ def test_sweep_digits_end_to_end_through_the_cli(tmp_path, capsys):
     assert "report:" in capsys.readouterr().out
 
 
+def test_sweep_resnet_recipe_through_the_cli(tmp_path):
+    """``--recipe resnet`` is registered: the recipe module must define ``sweep_spec``."""
+    out = tmp_path / "resnet"
+    argv = ["sweep", "--recipe", "resnet", "--reduced", "--configs", "fp32,int8_static"]
+    assert main(argv + ["--out", str(out), "--quiet", "--repeats", "2", "--device", "cpu"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "complete"
+    fp32, int8 = results["rows"]
+    assert "error" not in int8 and int8["fused"] == 12  # stem, 4 x 2 convs, 2 projections, fc
+    assert fp32["metric"] > 95.0 and int8["metric"] >= fp32["metric"] - 1.0  # 128 test images
+
+
 def test_failing_config_is_a_row_not_a_crash(tmp_path):
     spec = load_spec(recipe_file(tmp_path, poison=True))
     out = tmp_path / "poison"
