@@ -165,7 +165,8 @@ def inline_grad_wrappers(gm: fx.GraphModule) -> int:
     torch 2.11's export wraps a ``with torch.no_grad():`` block of the model's forward (Llama's
     rotary embedding) in that higher-order op around a submodule with its own graph, out of
     ``follow_input_device``'s reach: a Llama converted on the CPU failed on the GPU with "Tensor
-    device mismatch! Expected: cpu" (H100, 2026-11-25). torch 2.13 inlines such blocks itself.
+    device mismatch! Expected: cpu" (H100, 2026-11-25). On torch 2.13 the zoo's Llama captures
+    without one, but the module of the example below still gets one.
 
     Example:
         >>> class M(torch.nn.Module):

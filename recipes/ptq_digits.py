@@ -104,9 +104,17 @@ def run(epochs: int = 40, seed: int = 0, use_cache: bool = True, device: str | N
     return ptq_results(model, calib_x, test_x, test_y, batch, dev)
 
 
-def ptq_results(model, calib_x, test_x, test_y, batch, dev) -> dict:
+# name -> (QConfig, GPTQ or None): weights rounded to nearest unless a recipe asks for GPTQ
+PTQ_CONFIGS = {
+    "int8": (qfuse.QConfig.int8_static(), None),
+    "fp8": (qfuse.QConfig.fp8_static(), None),
+}
+
+
+def ptq_results(model, calib_x, test_x, test_y, batch, dev, configs=None) -> dict:
     """fp32 against int8 and fp8 static PTQ of ``model`` (calibrated on ``calib_x`` in batches of
-    64): top-1 % on the test split, latency of one forward of ``batch``, and each summary."""
+    64): top-1 % on the test split, latency of one forward of ``batch``, and each summary.
+    ``configs``: name -> (QConfig, GPTQ or None), ``PTQ_CONFIGS`` by default."""
     model = model.to(dev)
     result = {
         "device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev),
@@ -114,11 +122,8 @@ def ptq_results(model, calib_x, test_x, test_y, batch, dev) -> dict:
         "fp32_top1": accuracy(model, test_x, test_y, dev),
         "fp32_ms": latency_ms(model, batch, dev),
     }
-    for name, config in (
-        ("int8", qfuse.QConfig.int8_static()),
-        ("fp8", qfuse.QConfig.fp8_static()),
-    ):
-        prepared = qfuse.prepare(model.cpu(), config, example_inputs=(calib_x[:8],))
+    for name, (config, gptq) in (configs or PTQ_CONFIGS).items():
+        prepared = qfuse.prepare(model.cpu(), config, example_inputs=(calib_x[:8],), gptq=gptq)
         with torch.no_grad():
             for xb in batches(calib_x, 64):
                 prepared(xb)

@@ -21,7 +21,7 @@ from torch import nn
 
 import qfuse
 from calibration.digits import batches, load_digits_splits
-from recipes.ptq_digits import accuracy, latency_ms, print_results
+from recipes.ptq_digits import accuracy, print_results, ptq_results
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SIZE = 16  # digits are 8x8; upsampled so that two stride-2 stages leave a 4x4 map
@@ -136,25 +136,8 @@ def run(epochs: int = 6, seed: int = 0, use_cache: bool = True, device: str | No
     calib_x = upsample(splits.calibration[0])
     test_x, test_y = upsample(splits.test[0]), splits.test[1]
     batch = test_x[:batch_size].contiguous(memory_format=torch.channels_last)
-    result = {
-        "train_s": train_s,
-        "device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev),
-        "batch": len(batch),
-        "fp32_top1": accuracy(model.to(dev), test_x, test_y, dev),
-        "fp32_ms": latency_ms(model, batch, dev),
-    }
-    for name, (config, gptq) in CONFIGS.items():
-        prepared = qfuse.prepare(model.cpu(), config, example_inputs=(calib_x[:8],), gptq=gptq)
-        with torch.no_grad():
-            for xb in batches(calib_x, 64):
-                prepared(xb)
-        qmodel = qfuse.convert(prepared).to(dev)
-        model = model.to(dev)
-        result[f"{name}_top1"] = accuracy(qmodel, test_x, test_y, dev)
-        result[f"{name}_ms"] = latency_ms(qmodel, batch, dev)
-        result[f"{name}_summary"] = qfuse.summary(qmodel)
-    result["summary"] = result["int8_summary"]
-    return result
+    result = ptq_results(model, calib_x, test_x, test_y, batch, dev, CONFIGS)
+    return {"train_s": train_s, **result}
 
 
 def sweep_spec(reduced: bool = False, seed: int = 0):

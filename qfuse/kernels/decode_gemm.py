@@ -2,7 +2,7 @@
 small programs, each streaming a few weight rows with 16-byte loads.
 
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k]        (int8: int32, exact; fp8: float32)
-    out       = _epilogue(acc)                       (the same epilogue as ``qgemm``)
+    out       = _epilogue(acc)                       (``epilogue.gemm_epilogue``, as in ``qgemm``)
 
 At decode sizes (M = 1..32 tokens) a quantized GEMM is a weight stream: TinyLlama's o_proj is
 4 MB of int8, 0.9 us at the H200's 4.8 TB/s. ``qgemm._qlinear_kernel`` pads M to a 16-row MMA
@@ -14,7 +14,7 @@ the grid to ~8 programs per SM, each with its few steps' loads in flight; W is r
 stored [N, K] layout (K contiguous: 16-byte vector loads), and the next step's weights are
 loaded before this step's products. Without split-K (gate+up: 1408 column blocks of 8) each
 program reduces its rows over all of K: no workspace, no second pass. With it, the tile's last
-program sums the [BLOCK_M, BLOCK_N] partials in a fixed order (``qgemm._split_k_reduce``): a
+program sums the [BLOCK_M, BLOCK_N] partials in a fixed order (``epilogue.split_k_reduce``): a
 few hundred bytes, no second launch.
 
 Products are plain vector math, accumulated lane-wise in ``acc3`` [BLOCK_M, BLOCK_N, lanes] and
@@ -25,17 +25,20 @@ fp8 (and int8 with other K): each byte converted to float32/int32 and multiplied
 are exact in any order, so int8 outputs stay bit-identical to the CPU reference; fp8 sums in a
 fixed order per schedule (deterministic), within float32 rounding of the reference.
 
-Chosen by ``tuning`` (``GemmConfig.decode``) for the small-M buckets; launched with the same
-arguments as ``qgemm._qlinear_kernel`` (plus the ``WORDS``, ``EVEN_K`` and ``X_WORDS``
-constexprs), so the eager cached launch and ``wrap_triton`` take it unchanged.
+Offered by ``tuning`` (``GemmConfig.decode``) for the 1- and 2-row buckets, where it won on an
+H100 for int8 (0.82-0.97x the best MMA schedule's time at M = 1; it lost at M = 8 and 32);
+launched with the same arguments as ``qgemm._qlinear_kernel`` (plus the ``WORDS``, ``EVEN_K``
+and ``X_WORDS`` constexprs), so the eager cached launch and ``wrap_triton`` take it unchanged.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from qfuse.kernels.common import INTERPRETED, quantize_fp8, quantize_int8
+from qfuse.kernels.epilogue import finish_tile, split_k_reduce
 
 
 @triton.jit
@@ -197,3 +200,67 @@ def decode_accumulate(
         if LANES:
             acc = tl.sum(acc3, axis=2)
         return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qlinear_decode_kernel(
+    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, ZP_CORR: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    # decode only: W (and int8 x) read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K
+    WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
+):
+    """``_qlinear_kernel``'s arguments and numbers for small M without tensor cores: see
+    ``decode_gemm``. Program ``(pid, s)`` computes rows ``BLOCK_M`` x columns ``BLOCK_N`` over
+    the ``s``-th of ``SPLIT_K`` K ranges; the row blocks of one column block are neighbours in
+    launch order, so a weight slice read by one is in L2 for the next. ``GROUP_M`` and
+    ``EPI_SPLIT`` are unused (one small tile, one epilogue)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N read row 0 of W instead (the store mask drops them): unmasked rows.
+    cols = tl.where(offs_n < N, offs_n, 0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    k_end = k_tiles
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * per_split
+        k_end = tl.minimum(k_tiles, k_first + per_split)
+    acc = decode_accumulate(
+        x_ptr, w_ptr, x_inv_scale_ptr, x_zp_ptr, offs_m, offs_m < M, cols, K, k_first, k_end,
+        stride_xm, stride_xk, stride_wn, stride_wk,
+        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K, X_WORDS,
+    )
+    is_last = True
+    if SPLIT_K > 1:
+        acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
+    if is_last:
+        finish_tile(
+            acc, offs_m, pid_n, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, 1,
+        )
+
+
+def words(t: torch.Tensor) -> bool:
+    """Whether the decode kernel may read int8 ``t`` (W [N, K] or x [M, K]) as int32 words:
+    K-contiguous rows of a multiple of 4 bytes, starting 4-byte aligned (the storage itself
+    is). The eager plans launch only on contiguous, 16-byte aligned x, so this holds for them
+    whenever it held when they were built."""
+    return (t.dtype == torch.int8 and t.stride(1) == 1 and t.shape[1] % 4 == 0
+            and t.stride(0) % 4 == 0 and t.storage_offset() % 4 == 0)

@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qfuse.kernels.common import mul_rn, quantize_fp8, quantize_int8, round_to_float_grid
+from qfuse.kernels.common import (
+    activation,
+    gated,
+    mul_rn,
+    quantize_fp8,
+    quantize_int8,
+    round_to_float_grid,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -72,3 +79,102 @@ def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.con
         if OUT_MANT > 0:
             y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
         tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+# ---- the GEMM kernels' tile epilogue (qgemm and decode_gemm) ----
+
+@triton.jit
+def gemm_epilogue(
+    acc, offs_m, offs_n, M, N,
+    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+    out_zp_ptr, out_ptr,
+    stride_rm, stride_rn, stride_om, stride_on,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
+):
+    """Zero-point correction, scales, bias, activation, residual, requant — reference order."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
+                  wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
+    if ACT >= 7:  # gated (SwiGLU / GeGLU): N interleaved gate/up columns -> N / 2 outputs
+        y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
+        mask_n = offs_n < N // 2
+    else:
+        y = activation(y, ACT, FAST_ACT)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
+                 OUT_EMIN, EXACT)
+
+
+@triton.jit
+def finish_tile(
+    acc, offs_m, pid_n, M, N,
+    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+    out_zp_ptr, out_ptr,
+    stride_rm, stride_rn, stride_om, stride_on,
+    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
+):
+    """The epilogue on the whole tile, or (``EPI_SPLIT == 2``) on its two column halves one
+    after the other: every elementwise op of the epilogue materializes a full tile of
+    registers, so halving the tile halves the live set."""
+    if EPI_SPLIT == 1:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        gemm_epilogue(
+            acc, offs_m, offs_n, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
+        )
+    else:
+        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)),
+                                          (0, 2, 1)))
+        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        gemm_epilogue(
+            left, offs_m, offs_h, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
+        )
+        gemm_epilogue(
+            right, offs_m, offs_h + BLOCK_N // 2, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
+        )
+
+
+@triton.jit
+def split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr, SPLIT_K: tl.constexpr):
+    """Split-K without a second launch: store this program's partial ``acc`` in the workspace
+    [SPLIT_K, M, N], count arrivals on the tile's counter ``lock_ptr``; the last program to
+    arrive sums every partial in split order (deterministic, float sums included), resets the
+    counter for the next launch and returns ``(sum, True)``; the others ``(acc, False)``."""
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
+    # The barrier makes every thread's partial part of this program's release below.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == SPLIT_K - 1
+    if is_last:
+        acc = tl.zeros_like(acc)
+        for s in range(0, SPLIT_K):  # fixed order: deterministic float sums too
+            part = ws_ptr + s * M * N + tile
+            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr, 0)  # ready for the next launch
+    return acc, is_last

@@ -28,15 +28,13 @@ import triton.language as tl
 
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
-    activation,
-    gated,
     out_features,
     quantize_fp8,
     quantize_int8,
     tile_indices,
 )
-from qfuse.kernels.decode_gemm import decode_accumulate
-from qfuse.kernels.epilogue import float_grid, output_code, scale_acc, store_output
+from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, words
+from qfuse.kernels.epilogue import finish_tile, float_grid, output_code, split_k_reduce
 from qfuse.kernels.tuning import GemmConfig, pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
@@ -46,102 +44,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LIGHT_ACTS = ("none", "relu")
 
 
-
-@triton.jit
-def _epilogue(
-    acc, offs_m, offs_n, M, N,
-    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-    out_zp_ptr, out_ptr,
-    stride_rm, stride_rn, stride_om, stride_on,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-):
-    """Zero-point correction, scales, bias, activation, residual, requant — reference order."""
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
-                  wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
-    if ACT >= 7:  # gated (SwiGLU / GeGLU): N interleaved gate/up columns -> N / 2 outputs
-        y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
-        mask_n = offs_n < N // 2
-    else:
-        y = activation(y, ACT, FAST_ACT)
-    mask = mask_m[:, None] & mask_n[None, :]
-    if HAS_RESIDUAL:
-        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
-        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
-                 OUT_EMIN, EXACT)
-
-
-@triton.jit
-def _finish(
-    acc, offs_m, pid_n, M, N,
-    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-    out_zp_ptr, out_ptr,
-    stride_rm, stride_rn, stride_om, stride_on,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
-):
-    """The epilogue on the whole tile, or (``EPI_SPLIT == 2``) on its two column halves one
-    after the other: every elementwise op of the epilogue materializes a full tile of
-    registers, so halving the tile halves the live set."""
-    if EPI_SPLIT == 1:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _epilogue(
-            acc, offs_m, offs_n, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-        )
-    else:
-        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)),
-                                          (0, 2, 1)))
-        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        _epilogue(
-            left, offs_m, offs_h, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-        )
-        _epilogue(
-            right, offs_m, offs_h + BLOCK_N // 2, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-        )
-
-
-@triton.jit
-def _split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr, SPLIT_K: tl.constexpr):
-    """Split-K without a second launch: store this program's partial ``acc`` in the workspace
-    [SPLIT_K, M, N], count arrivals on the tile's counter ``lock_ptr``; the last program to
-    arrive sums every partial in split order (deterministic, float sums included), resets the
-    counter for the next launch and returns ``(sum, True)``; the others ``(acc, False)``."""
-    tile = offs_m[:, None] * N + offs_n[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
-    # The barrier makes every thread's partial part of this program's release below.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
-    is_last = arrived == SPLIT_K - 1
-    if is_last:
-        acc = tl.zeros_like(acc)
-        for s in range(0, SPLIT_K):  # fixed order: deterministic float sums too
-            part = ws_ptr + s * M * N + tile
-            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(lock_ptr, 0)  # ready for the next launch
-    return acc, is_last
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -226,9 +128,9 @@ def _qlinear_kernel(
     # ---- split-K: park the partial sum; the tile's last program reduces and goes on ----
     is_last = True
     if SPLIT_K > 1:
-        acc, is_last = _split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
+        acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
     if is_last:
-        _finish(
+        finish_tile(
             acc, offs_m, pid_n, M, N,
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
@@ -295,68 +197,13 @@ def _qlinear_persistent_kernel(
             acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
-        _finish(
+        finish_tile(
             acc, offs_m, pid_n, M, N,
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
             stride_rm, stride_rn, stride_om, stride_on,
             X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
             OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
-        )
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qlinear_decode_kernel(
-    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, ZP_CORR: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    # decode only: W (and int8 x) read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K
-    WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
-):
-    """``_qlinear_kernel``'s arguments and numbers for small M without tensor cores: see
-    ``decode_gemm``. Program ``(pid, s)`` computes rows ``BLOCK_M`` x columns ``BLOCK_N`` over
-    the ``s``-th of ``SPLIT_K`` K ranges; the row blocks of one column block are neighbours in
-    launch order, so a weight slice read by one is in L2 for the next. ``GROUP_M`` and
-    ``EPI_SPLIT`` are unused (one small tile, one epilogue)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Columns past N read row 0 of W instead (the store mask drops them): unmasked rows.
-    cols = tl.where(offs_n < N, offs_n, 0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    k_first = 0
-    k_end = k_tiles
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_first = tl.program_id(1) * per_split
-        k_end = tl.minimum(k_tiles, k_first + per_split)
-    acc = decode_accumulate(
-        x_ptr, w_ptr, x_inv_scale_ptr, x_zp_ptr, offs_m, offs_m < M, cols, K, k_first, k_end,
-        stride_xm, stride_xk, stride_wn, stride_wk,
-        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K, X_WORDS,
-    )
-    is_last = True
-    if SPLIT_K > 1:
-        acc, is_last = _split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
-    if is_last:
-        _finish(
-            acc, offs_m, pid_n, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, 1,
         )
 
 
@@ -394,15 +241,6 @@ def _kernel(cfg: GemmConfig):
     if cfg.decode:
         return _qlinear_decode_kernel
     return _qlinear_persistent_kernel if cfg.persistent else _qlinear_kernel
-
-
-def _words(t: torch.Tensor) -> bool:
-    """Whether the decode kernel may read int8 ``t`` (W [N, K] or x [M, K]) as int32 words:
-    K-contiguous rows of a multiple of 4 bytes, starting 4-byte aligned (the storage itself
-    is). The eager plans launch only on contiguous, 16-byte aligned x, so this holds for them
-    whenever it held when they were built."""
-    return (t.dtype == torch.int8 and t.stride(1) == 1 and t.shape[1] % 4 == 0
-            and t.stride(0) % 4 == 0 and t.storage_offset() % 4 == 0)
 
 
 def _is_quantized(x: torch.Tensor) -> bool:
@@ -462,8 +300,8 @@ def gemm_args(
         EPI_SPLIT=cfg.epi_split,
     )
     if cfg.decode:
-        words = _words(weight)
-        args.update(WORDS=words, EVEN_K=K % cfg.block_k == 0, X_WORDS=words and _words(x))
+        w_words = words(weight)
+        args.update(WORDS=w_words, EVEN_K=K % cfg.block_k == 0, X_WORDS=w_words and words(x))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return (_grid0(cfg, tiles, x.device), cfg.split_k), args, options
 

@@ -193,7 +193,8 @@ _ROWS.update({
 })
 
 # Decode rows (M buckets 1..32, measured by bench/decode_gemm_ab.py) may add an 11th field,
-# decode: True selects ``qgemm._qlinear_decode_kernel`` (group_m, epi_split, persistent unused).
+# decode: True selects ``decode_gemm._qlinear_decode_kernel`` (group_m, epi_split, persistent
+# unused).
 _DEFAULTS = (1, False, False)  # epi_split, persistent, decode for the shorter rows
 
 

@@ -42,7 +42,7 @@ class GemmConfig:
     epi_split: int = 1
     # One program per SM walking the tiles (``qgemm._qlinear_persistent_kernel``); no split-K.
     persistent: bool = False
-    # The weight-streaming kernel without tensor cores (``qgemm._qlinear_decode_kernel``, see
+    # The weight-streaming kernel without tensor cores (``decode_gemm._qlinear_decode_kernel``, see
     # ``kernels/decode_gemm.py``): block_m rows x block_n weight rows per program, no stages.
     decode: bool = False
 
@@ -99,11 +99,12 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     b = m_bucket(M)
     out = []
     if b <= DECODE_MAX_M:
-        # The decode kernel (no MMA, see kernels/decode_gemm.py) first where the M bucket is
-        # at most DECODE_FIRST_M; the MMA schedules stay in the list for autotune to compare.
+        # The decode kernel (no MMA, see kernels/decode_gemm.py) first where it won (see
+        # DECODE_FIRST_M); the MMA schedules stay in the list for autotune to compare.
         decode = decode_candidates(M, N, K, kind, sms)
         mma = _streaming_candidates(M, N, K, x_float, sms, short=True)
-        return decode + mma if b <= DECODE_FIRST_M else mma + decode
+        first = b <= DECODE_FIRST_M and kind.startswith("int8")
+        return decode + mma if first else mma + decode
     if b <= 64:
         return _streaming_candidates(M, N, K, x_float, sms)
     if b <= 256:
@@ -178,16 +179,17 @@ def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
 
 
 # The decode kernel's schedules as data: (block_n, block_k, num_warps), the expected best
-# first (not yet measured on a GPU: bench/decode_gemm_ab.py times each; reorder after it).
+# first (measured on an H100: 8x512 and 4x1024 are the fastest at M = 1, decode_ab_h100.txt).
 # A program accumulates block_m x block_n x block_k/4 int32 lanes (int8 in dp4a words) or
 # block_n x block_k (fp8 / odd-K int8, one row; more rows sum each step); block_k shrinks
 # until a thread holds at most DECODE_LANES of them.
 DECODE_SHAPES = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 8))
-# Buckets up to DECODE_MAX_M get decode candidates; up to DECODE_FIRST_M they come first.
-# Measured on an H100 (bench/results/decode_ab_h100.txt, TinyLlama shapes, cold L2): at M = 1
-# the decode kernel beats the best MMA schedule (int8 qkv 10.1 vs 12.3 us, o_proj 10.1 vs
-# 11.8, gate+up 19.5 vs 20.0); at M = 8 it loses 5-20x (every row block re-reads its weights)
-# and at M = 32 10x or more, so it is a candidate for the 1- and 2-row buckets only.
+# Buckets up to DECODE_MAX_M get decode candidates; up to DECODE_FIRST_M they come first for
+# int8 (fp8 keeps the MMA schedules first). Measured on an H100 (bench/results/
+# decode_ab_h100.txt, TinyLlama shapes, cold L2), best decode schedule against the best MMA one:
+# M = 1 int8 0.82-0.97x the time on all four shapes, fp8 0.90-1.31x (faster on one); M = 8
+# int8 0.86-1.30x (faster on one), fp8 1.06-4.0x; M = 32 0.93-10x. Untuned calls take the
+# first candidate, so the decode kernel leads only where it won: int8, M <= 2.
 DECODE_MAX_M = 2
 DECODE_FIRST_M = 2
 DECODE_LANES = 32
@@ -198,7 +200,7 @@ DECODE_PROGRAMS_PER_SM = 8
 
 
 def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
-    """Schedules of ``qgemm._qlinear_decode_kernel`` for this shape (``DECODE_SHAPES``):
+    """Schedules of ``decode_gemm._qlinear_decode_kernel`` for this shape (``DECODE_SHAPES``):
     block_m the M bucket, at most 8 (larger M runs several row blocks, which re-read their
     weights from L2); split-K doubled until the GPU holds ``DECODE_PROGRAMS_PER_SM`` programs an
     SM while every split keeps at least one K step; the first shape also at half that split."""

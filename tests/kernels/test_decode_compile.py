@@ -35,11 +35,11 @@ def compile_decode(variant) -> dict:
     import triton
     from test_compile import TARGET, qgemm_pointers
 
-    from qfuse.kernels import qgemm
+    from qfuse.kernels import decode_gemm
     from qfuse.kernels.common import ACTIVATION_CODES
 
     w, x, out, xq, act, out_q, (bm, bn, bk), split, words = variant
-    fn = qgemm._qlinear_decode_kernel
+    fn = decode_gemm._qlinear_decode_kernel
     names = list(inspect.signature(fn.fn).parameters)
     constexprs = dict(
         FP8="fp8" in w, X_QUANTIZED=xq, X_INV_VEC=False, X_ROW_SCALE=False, HAS_X_ZP=False,
