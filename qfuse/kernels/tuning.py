@@ -394,9 +394,27 @@ def runnable_candidates(M: int, N: int, K: int, kind: str, sms: int, heavy_epilo
     """``candidates`` as they will run: capped for a heavy epilogue (``for_epilogue``), and only
     schedules that fit (a candidate that fails to launch is skipped by autotune, but an untuned
     pick must run)."""
-    cands = list(dict.fromkeys(for_epilogue(c, heavy_epilogue)
-                               for c in candidates(M, N, K, kind, sms)))
+    cands = [for_epilogue(c, heavy_epilogue) for c in candidates(M, N, K, kind, sms)]
+    if heavy_epilogue and m_bucket(M) > WEIGHT_STREAMING:
+        cands += heavy_candidates(kind.endswith("xf"))
+    cands = list(dict.fromkeys(cands))
     return [c for c in cands if fits(c, kind, x_bytes)] or cands
+
+
+def heavy_candidates(x_float: bool) -> list[GemmConfig]:
+    """Schedules for a heavy epilogue (GELU, SiLU, gated) at any size, after the capped ones.
+
+    Above 4096 x 4096 weights ``candidates`` offers only tiles larger than 128x128, which
+    ``for_epilogue`` all caps to the same 128x128x128 schedule on 8 warps: autotune had one
+    choice. On an H100 (bench/results/llm_h100_graph.json, 2026-11-25) TinyLlama's gate/up GEMM
+    with its SwiGLU epilogue (M 512, N 11264, K 2048) ran that schedule at 260 TOPS, 90.7 us, 2000
+    of the 3086 us of quantized GEMMs in a 1x512 prefill. One-warpgroup tiles hold half the
+    registers, so two programs share an SM and one's epilogue overlaps the other's MMAs (they
+    won BERT-base's GELU FFN, ``candidates``); autotune now times them too."""
+    return [GemmConfig(bm, bn, bk, num_warps=4, num_stages=stages, prequantize=x_float,
+                       epi_split=epi)
+            for bm, bn, bk, stages, epi in ((128, 128, 64, 4, 1), (128, 128, 64, 3, 1),
+                                            (128, 128, 64, 4, 2), (64, 128, 128, 4, 1))]
 
 
 def pick_config(

@@ -165,3 +165,16 @@ def test_cold_timing_reads_weights_from_memory():
     cold = tuning.device_time_ms(lambda: torch.nn.functional.linear(x, w), cold=True)
     assert cold > hot
     assert w.numel() * 2 / (cold * 1e-3) < 6e12  # no faster than ~HBM (4.8 TB/s on an H200)
+
+
+@pytest.mark.parametrize("M", [512, 4096])
+def test_heavy_epilogue_offers_one_warpgroup_tiles_at_any_size(M):
+    # Above 4096x4096 weights every compute-bound candidate is capped to the same 128x128x128
+    # schedule: autotune must still have the one-warpgroup tiles whose epilogues overlap.
+    cands = tuning.runnable_candidates(M, 11264, 2048, "int8-xf", 132, heavy_epilogue=True)
+    assert cands[0] == tuning.for_epilogue(cands[0], True)  # the untuned pick is unchanged
+    assert len(cands) == len(set(cands)) >= 5
+    assert any(c.num_warps == 4 and c.block_k == 64 for c in cands)
+    assert all(c.block_m * c.block_n <= 128 * 128 and tuning.fits(c, "int8-xf") for c in cands)
+    light = tuning.runnable_candidates(M, 11264, 2048, "int8-xf", 132, heavy_epilogue=False)
+    assert not any(c.num_warps == 4 and c.block_k == 64 for c in light)  # heavy only
