@@ -39,6 +39,9 @@ def test_candidates_fit_the_gpu(kind, M, K, N):
 def fake_gpu(monkeypatch, tmp_path):
     """pick_config on a CPU machine: a named fake GPU, an empty cache dir, counted autotunes."""
     monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path))
+    # The GPU runs set QFUSE_AUTOTUNE=0 for speed; these tests count autotunes (a test that
+    # wants it off sets it itself).
+    monkeypatch.delenv("QFUSE_AUTOTUNE", raising=False)
     monkeypatch.setattr(tuning, "_gpu_name", lambda device: "Fake GPU")
     monkeypatch.setattr(tuning, "_memory", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties",
