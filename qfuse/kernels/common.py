@@ -7,12 +7,18 @@ design rule here. Only IEEE-exact float32 operations are used — add, subtract,
 ``tl.erf``, ``libdevice`` and plain ``/`` (``div.full.f32``) would each round differently from
 torch on the CPU, and a 1-ulp difference flips an int8 rounding now and then; libdevice also does
 not run in the interpreter.
+
+At the end, one host-side piece: ``ConvConfig``, the schedule type the implicit-GEMM conv kernel
+(``conv``) and the depthwise kernel (``depthwise``) share.
 """
 
 import os
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from qfuse.errors import UnsupportedError
 
 # Adding and subtracting 1.5 * 2**23 rounds a float32 to an integer, ties to even, for |x| < 2**22.
 # A tl.constexpr: compiled Triton (3.6 and later) refuses plain globals inside @jit functions, the
@@ -273,3 +279,37 @@ def gated(y, offs_n, ACT: tl.constexpr, FAST: tl.constexpr = False):
     else:
         g = activation(g, 3, FAST)
     return mul_rn(g, u), cols // 2
+
+
+# ---- the conv kernels' schedule (conv and depthwise) ----
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """A schedule: tile sizes, warps and pipeline depth (``block_k`` unused by depthwise).
+
+    ``fp8_promote``: K-elements an fp8 wgmma may sum at the tensor core's own precision before
+    the partial is added to the float32 accumulator (Triton's ``max_num_imprecise_acc``). 0
+    (default) is Triton's sm_90 default, in-place accumulation over the whole K: the H100
+    ``test_gpu_real_shapes`` then missed a 2-step e4m3 bound near zero on every implicit-GEMM
+    shape (worst 4.1e-3 absolute in y, K=576; 289 of 1.6M outputs) while |y| is O(1). 32..
+    ``block_k``, a multiple of 32 (one m64nNk32 wgmma): promote that often, at the cost of one
+    float32 add per accumulator element per interval (``bench/diag_conv_fp8.py`` measures both).
+    DeepSeek-V3 (sec. 3.3.2) measured ~14 retained bits for Hopper fp8 MMA and promoted every
+    128. Longer intervals than ``block_k`` are not expressible: each ``tl.dot`` ends with a
+    promotion. Ignored by int8 and by depthwise (no dot)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    fp8_promote: int = 0
+
+    def __post_init__(self):
+        p = self.fp8_promote
+        if p and (p % 32 or not 32 <= p <= max(self.block_k, 32)):
+            raise UnsupportedError(
+                f"ConvConfig: fp8_promote={p}; use 0 (Triton's default) or a multiple of 32 "
+                f"(one fp8 wgmma's K) up to block_k={self.block_k}."
+            )

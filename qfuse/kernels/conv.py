@@ -12,70 +12,36 @@ zero point reads the zero point, so ``acc - zp * colsum(W)`` gives the reference
 ``pack_weight``): the B tile of one tap is a contiguous run of input channels, and the whole of
 K is contiguous for the small-channel stem path (``FLAT_K``), where one K block spans several taps.
 
-Depthwise convolutions (one input channel per group) are a direct kernel: a tile of pixels by a
-block of channels, one multiply-accumulate per tap. The epilogue repeats
-``ops.reference.epilogue`` operation by operation (IEEE-exact ops only, ``enable_fp_fusion=False``),
-so int8 outputs are bit-identical to the reference.
+Depthwise convolutions (one input channel per group) run a direct kernel instead
+(``kernels.depthwise``), which ``qconv2d`` dispatches to. Both kernels end in
+``epilogue.conv_epilogue``, which repeats ``ops.reference.epilogue`` operation by operation
+(IEEE-exact ops only, ``enable_fp_fusion=False``), so int8 outputs are bit-identical to the
+reference.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
-    activation,
-    mul_rn,
+    ConvConfig,
     quantize_fp8,
     quantize_int8,
     tile_indices,
 )
-from qfuse.kernels.epilogue import float_grid, output_code, scale_acc, store_output
+from qfuse.kernels.depthwise import dwconv
+from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code
 from qfuse.kernels.im2col import im2col
 from qfuse.kernels.layout import empty_nhwc
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
-
-
-@triton.jit
-def _epilogue(
-    acc, offs_m, offs_n, mask_m, mask_n,
-    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr,
-    stride_rm, stride_om,
-    HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
-    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
-):
-    """Reference order: zero-point correction, scale, bias, act, residual, post-act, requant.
-    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last).
-    A quantized residual (``RES_Q``: int8/fp8 handed over by the conv that computed it) is
-    dequantized as ``(r - zp) * scale`` before the add."""
-    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, scale_ptr, bias_ptr, x_zp_ptr,
-                  wsum_ptr, False, HAS_X_ZP, HAS_BIAS)
-    y = activation(y, ACT)
-    mask = mask_m[:, None] & mask_n[None, :]
-    rows = offs_m.to(tl.int64)
-    if HAS_RESIDUAL:
-        r_ptrs = res_ptr + rows[:, None] * stride_rm + offs_n[None, :]
-        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if RES_Q:
-            if HAS_RES_ZP:
-                r = r - tl.load(res_zp_ptr).to(tl.float32)
-            r = mul_rn(r, tl.load(res_scale_ptr))
-        y = y + r
-    y = activation(y, POST_ACT)
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
-                 OUT_EMIN, EXACT)
 
 
 @triton.jit
@@ -198,109 +164,13 @@ def _qconv_kernel(
             b = tl.load(b_ptrs, mask=(c < K_W)[:, None] & mask_n[None, :], other=0.0)
             acc = _dot(a, b, acc, FP8_PROMOTE)
 
-    _epilogue(
+    conv_epilogue(
         acc, offs_m, n_glob, mask_m, mask_n,
         scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
         out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
         HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
         OUT_MANT, OUT_EMIN, EXACT,
     )
-
-
-@triton.jit(do_not_specialize=["M"])
-def _dwconv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, res_ptr,
-    res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
-    M, H, W, OH, OW, C,
-    sxn, sxh, sxw, sxc, swo, swh, sww, stride_rm, stride_om,
-    SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
-    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
-    HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Depthwise (groups == C, one output channel per input channel): direct MACs per tap."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_m = offs_m < M
-    mask_c = offs_c < C
-    ow = offs_m % OW
-    oh = (offs_m // OW) % OH
-    batch = (offs_m // OW) // OH
-    x_rows = x_ptr + batch.to(tl.int64) * sxn
-    x_inv_scale = 1.0
-    x_zp = 0.0
-    if not X_QUANTIZED:
-        x_inv_scale = tl.load(x_inv_scale_ptr)
-    if HAS_X_ZP:
-        x_zp = tl.load(x_zp_ptr).to(tl.float32)
-    # float32 for int8 too: every product and partial sum is an integer below 2**24 (at most
-    # 49 taps x 255 x 127), so the sum is exact, and float FMA-free math beats int32 multiplies
-    # (measured 2.4x on the H200 for a 5x5 depthwise conv).
-    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    for tap in tl.static_range(KH * KW):
-        ih = oh * SH - PH + (tap // KW) * DH
-        iw = ow * SW - PW + (tap % KW) * DW
-        valid = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        mask = valid[:, None] & mask_c[None, :]
-        ptrs = (x_rows + ih * sxh + iw * sxw)[:, None] + (offs_c * sxc)[None, :]
-        w_ptrs = w_ptr + offs_c * swo + (tap // KW) * swh + (tap % KW) * sww
-        w = tl.load(w_ptrs, mask=mask_c, other=0.0)
-        if X_QUANTIZED:
-            a = tl.load(ptrs, mask=mask, other=0.0)
-        else:
-            a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            if FP8:
-                a = quantize_fp8(a, x_inv_scale, EXACT)
-            else:
-                a = quantize_int8(a, x_inv_scale, x_zp)
-        av = a.to(tl.float32)
-        if HAS_X_ZP:  # padding contributes (zp - zp) * w = 0: the reference's conv(q - zp)
-            av = tl.where(mask, av - x_zp, 0.0)
-        acc += av * w.to(tl.float32)[None, :]
-    if not FP8:
-        acc = acc.to(tl.int32)
-    _epilogue(
-        acc, offs_m, offs_c, mask_m, mask_c,
-        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
-        out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
-        False, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
-        OUT_MANT, OUT_EMIN, EXACT,
-    )
-
-
-@dataclass(frozen=True)
-class ConvConfig:
-    """A schedule: tile sizes, warps and pipeline depth (``block_k`` unused by depthwise).
-
-    ``fp8_promote``: K-elements an fp8 wgmma may sum at the tensor core's own precision before
-    the partial is added to the float32 accumulator (Triton's ``max_num_imprecise_acc``). 0
-    (default) is Triton's sm_90 default, in-place accumulation over the whole K: the H100
-    ``test_gpu_real_shapes`` then missed a 2-step e4m3 bound near zero on every implicit-GEMM
-    shape (worst 4.1e-3 absolute in y, K=576; 289 of 1.6M outputs) while |y| is O(1). 32..
-    ``block_k``, a multiple of 32 (one m64nNk32 wgmma): promote that often, at the cost of one
-    float32 add per accumulator element per interval (``bench/diag_conv_fp8.py`` measures both).
-    DeepSeek-V3 (sec. 3.3.2) measured ~14 retained bits for Hopper fp8 MMA and promoted every
-    128. Longer intervals than ``block_k`` are not expressible: each ``tl.dot`` ends with a
-    promotion. Ignored by int8 and by depthwise (no dot)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
-    fp8_promote: int = 0
-
-    def __post_init__(self):
-        p = self.fp8_promote
-        if p and (p % 32 or not 32 <= p <= max(self.block_k, 32)):
-            raise UnsupportedError(
-                f"ConvConfig: fp8_promote={p}; use 0 (Triton's default) or a multiple of 32 "
-                f"(one fp8 wgmma's K) up to block_k={self.block_k}."
-            )
 
 
 SMS = 132  # H100/H200 SXM
@@ -333,17 +203,6 @@ def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> Con
     if cg_in < block_k:  # stem: K spans taps, each A element is a gather
         block_m = 64
     return ConvConfig(block_m, block_n, block_k, 4, 4)
-
-
-def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
-    """Depthwise tiles: 1024 outputs per 4-warp program (8 per thread). The taps are unrolled
-    and each holds its loaded tile, so bigger tiles run out of registers: on the H200 (GPU
-    time, int8, N=32) a 5x5 96-channel 14x14 layer took 10.2 us in 32x32 tiles, 29.9 in 32x64,
-    200 in 64x64 (cuDNN bf16: 12.3); a 3x3 16-channel stride-2 one 8.5 us in 64x16 tiles."""
-    if INTERPRETED:
-        return ConvConfig(32, 32, 0, 4, 1)
-    block_c = 32 if channels >= 32 else 16
-    return ConvConfig(1024 // block_c, block_c, 0, 4, 1)
 
 
 def prequantize(x, qdtype, inv_scale, zero_point, wrap=None):
@@ -463,23 +322,13 @@ def qconv2d(
         EXACT=INTERPRETED,
     )
     opt = lambda t: t if t is not None else dummy  # noqa: E731 - absent optional tensors
+    if depthwise:
+        operands = (scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
+                    opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
+                    opt(out_zero_point))
+        return dwconv(x, weight, out, operands, flags, config, launch)
     sx = x.stride()
     sw = weight.stride()
-    if depthwise:
-        cfg = config or pick_depthwise_config(M, c_out, kh * kw)
-        block_m, block_c = cfg.block_m, cfg.block_n
-        grid = (triton.cdiv(M, block_m), triton.cdiv(c_out, block_c))
-        launch(_dwconv_kernel)[grid](
-            x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
-            opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
-            opt(out_zero_point), out,
-            M, h, w, oh, ow, c_out,
-            sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], c_out, c_out,
-            **flags, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            enable_fp_fusion=False,
-        )
-        return out
     cg_out = c_out // groups
     wsum = dummy
     if x_zero_point is not None:

@@ -81,6 +81,42 @@ def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.con
         tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
+# ---- the conv kernels' epilogue (conv and depthwise) ----
+
+@triton.jit
+def conv_epilogue(
+    acc, offs_m, offs_n, mask_m, mask_n,
+    scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    stride_rm, stride_om,
+    HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
+    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Reference order: zero-point correction, scale, bias, act, residual, post-act, requant.
+    ``offs_n`` are global output channels; residual and output are [M, C] rows (channels-last).
+    A quantized residual (``RES_Q``: int8/fp8 handed over by the conv that computed it) is
+    dequantized as ``(r - zp) * scale`` before the add."""
+    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, scale_ptr, bias_ptr, x_zp_ptr,
+                  wsum_ptr, False, HAS_X_ZP, HAS_BIAS)
+    y = activation(y, ACT)
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m.to(tl.int64)
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + rows[:, None] * stride_rm + offs_n[None, :]
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if RES_Q:
+            if HAS_RES_ZP:
+                r = r - tl.load(res_zp_ptr).to(tl.float32)
+            r = mul_rn(r, tl.load(res_scale_ptr))
+        y = y + r
+    y = activation(y, POST_ACT)
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
+                 OUT_EMIN, EXACT)
+
+
 # ---- the GEMM kernels' tile epilogue (qgemm and decode_gemm) ----
 
 @triton.jit

@@ -79,7 +79,7 @@ def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bo
         return out
     lowest = {torch.int8: -128.0, FP8: -448.0}.get(x.dtype, float("-inf"))
     block_c = 32 if c >= 32 else 16  # 8 outputs per thread: the taps are unrolled (see the
-    block_m = 1024 // block_c        # register note in kernels.conv.pick_depthwise_config)
+    block_m = 1024 // block_c        # register note in kernels.depthwise.pick_depthwise_config)
     sx = x.stride()
     launch(_maxpool_kernel)[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
         x, out, m, h, w, oh, ow, c, sx[0], sx[2], sx[3], sx[1],

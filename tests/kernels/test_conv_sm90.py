@@ -59,7 +59,7 @@ def _info(kernel, must_mma: bool) -> dict:
 
 
 def child_main() -> None:
-    from qfuse.kernels import conv, im2col, pool
+    from qfuse.kernels import conv, depthwise, im2col, pool
 
     results = {}
     for name, w, x, out, res, k, cg_in, cg_out, m, act in VARIANTS:
@@ -81,10 +81,10 @@ def child_main() -> None:
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results[name] = _info(kernel, must_mma=True)
     for w, x, out in (("*i8", "*i8", "*i8"), ("*fp8e4nv", "*bf16", "*fp8e4nv")):
-        cfg = conv.pick_depthwise_config(100352, 96, 25)
+        cfg = depthwise.pick_depthwise_config(100352, 96, 25)
         consts = dict(_flags(w, x, out, None, 5, "hardswish"), BLOCK_M=cfg.block_m,
                       BLOCK_C=cfg.block_n)
-        kernel = compile_sm90(conv._dwconv_kernel, _pointers(w, x, out, None), consts,
+        kernel = compile_sm90(depthwise._dwconv_kernel, _pointers(w, x, out, None), consts,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         results[f"depthwise-{w[1:]}"] = _info(kernel, must_mma=False)
     patches = compile_sm90(im2col._im2col_kernel, dict(x_ptr="*bf16", inv_scale_ptr="*fp32",
