@@ -5,7 +5,7 @@
 # tests:  the GPU tests of the encoder paths (compiled vs eager, fullgraph, fast epilogue,
 #         LayerNorm/QKV fusion, export) on the CUDA kernels;
 # models: bench_models.py --resume into $OUT/models_h200.json (copy the previous call's file
-#         there first: `cp bench/results/models_h200.json $OUT/` when its commit is this one),
+#         there first: `cp bench/results/earlier/models_h200.json $OUT/` when its commit is this one),
 #         a 420 s budget so the call ends with whole rows;
 # diag:   per-kernel GEMM times inside BERT-base 32x128 (diag_model_gemms.py).
 set -uo pipefail

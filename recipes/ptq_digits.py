@@ -169,33 +169,43 @@ def sweep_spec(reduced: bool = False, seed: int = 0):
         >>> spec.metric, len(spec.calibration), tuple(spec.example.shape)
         ('top-1 %', 1, (32, 1, 8, 8))
     """
-    from qfuse.tools import SweepSpec
-
     splits = load_digits_splits(seed=seed)
     epochs = 10 if reduced else 40
     model = load_or_train(splits, epochs, seed, use_cache=True)
-    calib_x, calib_y = splits.calibration
-    test_x, test_y = splits.test
+    return digits_spec(
+        "digits", model, splits.calibration, splits.test, reduced,
+        f"Digits CNN+MLP (conv-BN-ReLU x2, Linear-ReLU, Linear; {epochs} epochs)")
+
+
+def digits_spec(name, model, calibration, test, reduced, what, example_format=None):
+    """A digits classifier as a ``SweepSpec`` (this recipe's and ``ptq_resnet``'s): top-1 % on
+    the ``test`` (x, y) split, ``best`` tuned on the ``calibration`` split's labels; reduced:
+    64 calibration and 128 test images, latency on a batch of 32 (else 256), in
+    ``example_format`` (a ``torch.memory_format``) when given."""
+    from qfuse.tools import SweepSpec
+
+    (calib_x, calib_y), (test_x, test_y) = calibration, test
     if reduced:
         calib_x, calib_y, test_x, test_y = calib_x[:64], calib_y[:64], test_x[:128], test_y[:128]
+    example = test_x[: 32 if reduced else 256]
+    if example_format is not None:
+        example = example.contiguous(memory_format=example_format)
     cpu = torch.device("cpu")
     return SweepSpec(
-        name="digits",
+        name=name,
         model=model,
         calibration=list(batches(calib_x, 64)),
         evaluate=lambda m: accuracy(m, test_x, test_y, cpu),
         validate=lambda m: accuracy(m, calib_x, calib_y, cpu),
-        example=test_x[: 32 if reduced else 256],
+        example=example,
         metric="top-1 %",
         default_max_drop=0.5,  # percentage points of top-1
         description=(
-            f"Digits CNN+MLP (conv-BN-ReLU x2, Linear-ReLU, Linear; {epochs} epochs), scikit-learn "
-            f"digits: top-1 % on {len(test_y)} held-out test images; calibration "
-            f"{len(calib_y)} images; latency: one forward of a batch of "
-            f"{32 if reduced else 256}."
+            f"{what}, scikit-learn digits: top-1 % on {len(test_y)} held-out test images; "
+            f"calibration {len(calib_y)} images; latency: one forward of a batch of "
+            f"{len(example)}."
         ),
     )
-
 
 if __name__ == "__main__":
     main()

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import qfuse
-from calibration.digits import batches, load_digits_splits
-from recipes.ptq_digits import accuracy, print_results, ptq_results
+from calibration.digits import load_digits_splits
+from recipes.ptq_digits import digits_spec, print_results, ptq_results
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SIZE = 16  # digits are 8x8; upsampled so that two stride-2 stages leave a 4x4 map
@@ -152,33 +152,14 @@ def sweep_spec(reduced: bool = False, seed: int = 0):
         >>> spec.metric, len(spec.calibration), tuple(spec.example.shape)
         ('top-1 %', 1, (32, 1, 16, 16))
     """
-    from qfuse.tools import SweepSpec
-
     splits = load_digits_splits(seed=seed)
     epochs = 6
     model = load_or_train(upsample(splits.train[0]), splits.train[1], epochs, seed, True)
-    calib_x, calib_y = upsample(splits.calibration[0]), splits.calibration[1]
-    test_x, test_y = upsample(splits.test[0]), splits.test[1]
-    if reduced:
-        calib_x, calib_y, test_x, test_y = calib_x[:64], calib_y[:64], test_x[:128], test_y[:128]
-    cpu = torch.device("cpu")
-    return SweepSpec(
-        name="resnet",
-        model=model,
-        calibration=list(batches(calib_x, 64)),
-        evaluate=lambda m: accuracy(m, test_x, test_y, cpu),
-        validate=lambda m: accuracy(m, calib_x, calib_y, cpu),
-        example=test_x[: 32 if reduced else 256].contiguous(memory_format=torch.channels_last),
-        metric="top-1 %",
-        default_max_drop=0.5,  # percentage points of top-1
-        description=(
-            f"Digits ResNet (stem + 4 basic blocks, {SIZE}x{SIZE}; {epochs} epochs), scikit-learn "
-            f"digits: top-1 % on {len(test_y)} held-out test images; calibration "
-            f"{len(calib_y)} images; latency: one forward of a batch of "
-            f"{32 if reduced else 256}."
-        ),
-    )
-
+    return digits_spec(
+        "resnet", model, (upsample(splits.calibration[0]), splits.calibration[1]),
+        (upsample(splits.test[0]), splits.test[1]), reduced,
+        f"Digits ResNet (stem + 4 basic blocks, {SIZE}x{SIZE}; {epochs} epochs)",
+        example_format=torch.channels_last)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

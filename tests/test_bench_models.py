@@ -50,3 +50,24 @@ def test_launch_modes_counts_fused_linears():
     lin._launch_cache["plain"] = "plain launch (direct launch failed: X)"
     assert bench_models.launch_modes(torch.nn.Sequential(lin)) == {
         "plain launch (direct launch failed: X)": 1}
+
+
+def test_committed_results_are_unambiguous():
+    # A reader (or a script) that keys rows by (model, batch, impl, mode) across the committed
+    # files must not be able to pair a qfuse row with a bf16 row of another run or device: each
+    # key lives in one file, and each quantized row's bf16 baseline is in that same file.
+    import json
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parent.parent / "bench" / "results").glob("models_*.json"))
+    assert files, "no committed bench_models results"
+    seen: dict[tuple, str] = {}
+    for f in files:
+        rows = [r for r in json.loads(f.read_text())["rows"] if "median_us" in r]
+        keys = {(r["model"], r["batch"], r["impl"], r["mode"]) for r in rows}
+        for key in keys:
+            assert key not in seen, f"{key} in both {seen[key]} and {f.name}"
+            seen[key] = f.name
+        for model, batch, impl, mode in keys:
+            if impl.startswith(("qfuse", "torchao")):
+                assert (model, batch, "bf16", mode) in keys, f"{f.name}: {impl} {mode} lacks bf16"
