@@ -256,6 +256,7 @@ class Step:
 
         g = torch.Generator().manual_seed(1 + batch)
         self.phase, self.batch = phase, batch
+        self.layers = config.num_hidden_layers
         seq = prompt if phase == "prefill" else 1
         self.start = 0 if phase == "prefill" else prompt
         self.first_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
@@ -321,11 +322,34 @@ def median_us(fn) -> float:
     return sorted(times)[2] * 1e6
 
 
-def breakdown(fn, calls: int = 3) -> dict:
-    """GPU microseconds per kernel class and the top kernels, per call (torch.profiler)."""
+def gemm_positions(trace, calls: int, layers: int) -> dict | None:
+    """The GEMM kernels of one call in launch order, averaged per position within a decoder
+    layer: which projection spends the GEMM time (Q/K/V, O, gate/up, down, then what follows
+    the last layer, the LM head). None when the count does not divide into ``layers``."""
+    seq = [(n, us) for n, us in trace if classify(n) in ("GEMM", "quantized GEMM")]
+    if not seq or len(seq) % calls:
+        return None
+    per_call = len(seq) // calls
+    per_layer = per_call // layers
+    if per_layer == 0:
+        return None
+    body = per_layer * layers
+    positions = []
+    for p in range(per_layer):
+        times = [us for c in range(calls) for _, us in seq[c * per_call + p:
+                                                          c * per_call + body:per_layer]]
+        positions.append(dict(kernel=seq[p][0][:40], us=round(sum(times) / len(times), 2)))
+    after = [dict(kernel=n[:40], us=round(us, 2)) for n, us in seq[body:per_call]]
+    return {"per_layer": positions, "after_layers": after}
+
+
+def breakdown(fn, calls: int = 3, layers: int | None = None) -> dict:
+    """GPU microseconds per kernel class and the top kernels, per call (torch.profiler), and
+    with ``layers`` each GEMM position's mean time within a layer (``gemm_positions``)."""
     classes: dict[str, float] = {}
     kernels: dict[str, list] = {}
-    for name, us in harness.cuda_kernels(fn, calls):
+    trace = harness.cuda_kernels(fn, calls)
+    for name, us in trace:
         cls = classify(name)
         classes[cls] = classes.get(cls, 0.0) + us / calls
         k = kernels.setdefault(name[:90], [0.0, 0])
@@ -334,8 +358,11 @@ def breakdown(fn, calls: int = 3) -> dict:
     out = {k: round(v, 1) for k, v in sorted(classes.items())}
     out["total"] = round(sum(classes.values()), 1)
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:8]
-    return {"classes_us": out, "kernels": sum(c for _, c in kernels.values()) // calls,
-            "top": [dict(name=n, us=round(t, 1), n=c // calls) for n, (t, c) in top]}
+    result = {"classes_us": out, "kernels": sum(c for _, c in kernels.values()) // calls,
+              "top": [dict(name=n, us=round(t, 1), n=c // calls) for n, (t, c) in top]}
+    if layers:
+        result["gemm_positions"] = gemm_positions(trace, calls, layers)
+    return result
 
 
 def run_row(rows, out_path, impl, mode, step, fn, ref, gate, profile_fn=None):
@@ -354,7 +381,7 @@ def run_row(rows, out_path, impl, mode, step, fn, ref, gate, profile_fn=None):
             row["median_us"] = median_us(fn)
             row["tokens_per_s"] = step.tokens / (row["median_us"] * 1e-6)
             if profile_fn is not None and harness.DEVICE == "cuda":
-                row["breakdown"] = breakdown(profile_fn)
+                row["breakdown"] = breakdown(profile_fn, layers=step.layers)
     except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash
         row["error"] = harness.error_text(exc)
         if os.environ.get("QFUSE_BENCH_TRACEBACK"):

@@ -84,9 +84,11 @@ def profiled(fn: Callable[[], object], calls: int = 1) -> torch.profiler.profile
 
 def cuda_kernels(fn: Callable[[], object], calls: int = 1) -> list[tuple[str, float]]:
     """``(kernel name, GPU us)`` of every kernel ``calls`` calls of ``fn`` launch
-    (torch.profiler). Breakdowns divide by ``calls``."""
-    return [(e.name, e.device_time) for e in profiled(fn, calls).events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+    (torch.profiler), in the order they ran. Breakdowns divide by ``calls``."""
+    events = [e for e in profiled(fn, calls).events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.device_time) for e in events]
 
 
 def host_us(fn: Callable[[], object], calls: int = 20) -> float:

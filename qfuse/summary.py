@@ -82,6 +82,7 @@ def summary(model: fx.GraphModule) -> Summary:
     if state.stage == "converted":
         for rec in state.layers:
             mod = model.get_submodule(rec.name)
+            mod = getattr(mod, "merged_layer", mod)  # a QSibling: its merged GEMM's numbers
             out_scale = float(mod.out_scale) if mod.out_scale is not None else None
             rows.append(
                 dict(

@@ -8,8 +8,10 @@ transformers' ``Conv1D``, ``nn.Conv2d``, ``nn.Conv1d``) is swapped for a ``QLine
 ``QConv1d`` built from the same plan as the graph result. What a module cannot express stays where
 the model's forward computes it: an activation or residual add applied by the parent runs in float
 after the quantized GEMM (``torch.compile`` fuses such elementwise tails around the compile-visible
-kernels), and layers exchange float rather than int8. ``qfuse.summary`` says, per layer, what the
-graph chain was and which part the module took.
+kernels), and layers exchange float rather than int8. Sibling layers merged at prepare (Q, K, V)
+stay one GEMM (``QSibling``); a merged gate/up stays one GEMM with its gated epilogue when the MLP
+module can be swapped whole (``QGatedMLP``). ``qfuse.summary`` says, per layer, what the graph
+chain was and which part the module took.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from qfuse.fusion.patterns import ACTIVATION_NAMES, GATED, Chain, Skipped
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.gated_mlp import QGatedMLP
 from qfuse.nn.qconv1d import QConv1d
+from qfuse.nn.siblings import QSibling
 from qfuse.state import QFuseState, set_state
 
 _FOLDED_BIAS = "folded_bias"
@@ -236,6 +239,35 @@ def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layer
                           [f"{down.name} inside the swapped {parent}"]))
 
 
+def _swap_merged(model, chain, bare, module, members, layers):
+    """Swap in the members of a merged layer. Q/K/V-style siblings stay one GEMM
+    (``QSibling``: the first member called on an input runs it, the others take their rows);
+    a merged gate/up whose parent is not swapped whole is split back into two layers, the
+    gated product left to the parent's forward."""
+    from qfuse.convert import _record
+
+    float_members = [model.get_submodule(m) for m in members]
+    if chain.activation in GATED:  # [gate, up] rows interleaved
+        note = (f"split back from the merged layer {chain.name} "
+                f"({ACTIVATION_NAMES[chain.activation]} runs in {type(model).__name__}.forward;"
+                " output='graph' fuses it)")
+        for i, (member, float_member) in enumerate(zip(members, float_members, strict=True)):
+            part = module.rows(i, None, 2)
+            model.set_submodule(member, _keep_attrs(float_member, part))
+            layers.append(_record(dataclasses.replace(bare, name=member), part, member,
+                                  None, [], [note]))
+            _facing(part)
+        return
+    siblings = QSibling.group(module, [m.out_features for m in float_members])
+    for member, float_member, sibling in zip(members, float_members, siblings, strict=True):
+        model.set_submodule(member, _keep_attrs(float_member, sibling))
+        others = ", ".join(m for m in members if m != member)
+        note = (f"one GEMM with {others} (merged layer {chain.name}, held by {members[0]}): "
+                f"the first member called on an input runs it, the others take their rows")
+        layers.append(_record(dataclasses.replace(bare, name=member), module, member,
+                              None, [], [note]))
+
+
 def convert_model(
     prepared: fx.GraphModule,
     state: QFuseState,
@@ -310,21 +342,7 @@ def convert_model(
         float_dtype = nodes[chain.anchor].meta["val"].dtype
         module = _build(bare, state.config, plan, None, False, float_dtype)
         if slots[chain.name] == "merged":
-            start = 0
-            for i, member in enumerate(groups[chain.name]):
-                float_member = model.get_submodule(member)
-                note = f"split back from the merged layer {chain.name}"
-                if chain.activation in GATED:  # [gate, up] rows interleaved
-                    part = module.rows(i, None, 2)
-                    note += (f" ({ACTIVATION_NAMES[chain.activation]} runs in "
-                             f"{type(model).__name__}.forward; output='graph' fuses it)")
-                else:
-                    part = module.rows(start, start + float_member.out_features)
-                    start += float_member.out_features
-                model.set_submodule(member, _keep_attrs(float_member, part))
-                layers.append(_record(dataclasses.replace(bare, name=member), part, member,
-                                      None, [], [note]))
-                _facing(part)
+            _swap_merged(model, chain, bare, module, groups[chain.name], layers)
             continue
         path = chain.name
         float_module = model.get_submodule(chain.name)
