@@ -62,7 +62,9 @@ def test_qkv_stay_one_gemm_and_equal_the_split_layers(config, device):
         else:  # int8 sums are exact in any order
             assert torch.equal(got, split)
     ref = model(x)
-    assert ((out - ref).norm() / ref.norm()) < 0.05
+    # A sanity bound (the exact check is the one above): a random toy of four GEMMs calibrated
+    # on three batches measured 4.6% (int8 static, CPU) and 5.3% (fp8, H100); broken is ~100%.
+    assert ((out - ref).norm() / ref.norm()) < 0.1
     # One copy of the tensors, under the first member; k and v face their parent as float.
     keys = list(qmodel.state_dict())
     assert any(k.startswith("q.merged.") for k in keys)
