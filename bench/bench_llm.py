@@ -124,6 +124,14 @@ PLANS["prefill"] = (
     ("prefill", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
 )
+# Batch-1 decode in every fast mode against bf16 and torchao's compiled rows, and the prefill
+# target, in one call.
+PLANS["decode"] = (
+    ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("prefill", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("decode", 1, "compile", ("torchao_int8wo", "torchao_fp8")),
+)
 PLANS["all"] = PLANS["graph"] + PLANS["compile"]
 
 # Kernel classes by name, first match wins. Inductor names fused kernels after their ops (a

@@ -151,8 +151,9 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
 def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
                           short: bool = False) -> list[GemmConfig]:
     """MMA schedules (``_qlinear_kernel``) for the weight-streaming buckets (M <= 64).
-    ``short``: the first choice's split-K and twice it only, at most 10 (room for the decode
-    kernel's candidates within the 16 a bucket may compile)."""
+    ``short``: the first choice's split-K and twice it only, at most 6 (room for the decode
+    kernel's candidates within the 16 a bucket may compile; fp8's tuned M = 1 picks on an
+    H100 were all among the first 6)."""
     b = m_bucket(M)
     out = []
     # Weight streaming: a 16-row MMA wastes rows but the loop is bound by W bytes; wide K
@@ -174,7 +175,7 @@ def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
                 out.append(GemmConfig(bm, bn, bk, split_k=s, num_stages=stages))
         pre.append(GemmConfig(bm, bn, bk, split_k=split, num_stages=stages, prequantize=True))
     if short:
-        out = out[:10]
+        out = out[:6]
     return out + pre if x_float and b == 64 else out
 
 
@@ -199,11 +200,42 @@ DECODE_LANES = 32
 DECODE_PROGRAMS_PER_SM = 8
 
 
+# Whole-K schedules: a program reads its rows' whole K in one or two steps, both loads issued
+# before it multiplies (decode_accumulate loads one step ahead), and sums no split-K partials.
+# Profiled in TinyLlama's decode step on an H100 (bench/results/llm_h100_graph.json, per GEMM
+# position), the split-K schedules above took 5.5 us for o_proj's 4 MB and 9.0 us for down's
+# 11.5 MB (0.76 and 1.28 TB/s of 3.35): each program waits for ~3 loads in a row, then the
+# split-K hand-off (a partial written, a counter, the last program reading them back), then the
+# epilogue's loads, and every wait is a full memory latency. Lanes as above (DECODE_LANES a
+# thread) decide the rows a program takes at each step count and warp count.
+WHOLE_K_STEPS = (1, 2)
+WHOLE_K_WARPS = (4, 8)
+
+
+def whole_k_candidates(bm: int, K: int, words: bool) -> list[GemmConfig]:
+    """Split-free decode schedules over ``WHOLE_K_STEPS`` K steps: block_k the next power of two
+    of K over the steps; block_n the most rows whose lanes fit ``DECODE_LANES`` a thread (at most
+    16; none below 2, which a gated epilogue's gate/up pair needs)."""
+    out = []
+    for steps in WHOLE_K_STEPS:
+        bk = max(32, triton.next_power_of_2(K) // steps)
+        lanes = bk // 4 if words or bm > 1 else bk
+        for warps in WHOLE_K_WARPS:
+            rows = DECODE_LANES * 32 * warps // (bm * lanes)
+            if rows < 2:
+                continue
+            bn = min(16, 1 << (rows.bit_length() - 1))
+            out.append(GemmConfig(bm, bn, bk, group_m=1, split_k=1, num_warps=warps,
+                                  num_stages=1, decode=True))
+    return out
+
+
 def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     """Schedules of ``decode_gemm._qlinear_decode_kernel`` for this shape (``DECODE_SHAPES``):
     block_m the M bucket, at most 8 (larger M runs several row blocks, which re-read their
     weights from L2); split-K doubled until the GPU holds ``DECODE_PROGRAMS_PER_SM`` programs an
-    SM while every split keeps at least one K step; the first shape also at half that split."""
+    SM while every split keeps at least one K step; the first shape also at half that split.
+    Then the whole-K schedules (``whole_k_candidates``); 10 at most."""
     bm = min(m_bucket(M), 8)
     words = kind.startswith("int8") and K % 4 == 0
     out = []
@@ -231,7 +263,9 @@ def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmC
         # element, shared by only block_n weight rows): the first shape once more with a
         # separate quantize pass (after which int8 x is read as words).
         out.insert(1, dataclasses.replace(out[0], prequantize=True))
-    return list(dict.fromkeys(out))
+    out = list(dict.fromkeys(out))[:6]
+    out += [c for c in whole_k_candidates(bm, K, words) if c not in out]
+    return out[:10]
 
 
 def _cache_path() -> str:

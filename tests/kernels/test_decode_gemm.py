@@ -25,6 +25,8 @@ def decode(bm, bn, bk, split=1, warps=4):
 
 SCHEDULES = {
     "m1": decode(1, 8, 64),
+    "whole_k": decode(1, 2, 256),  # K in one masked step, two rows (tuning.whole_k_candidates)
+    "whole_k_2steps": decode(2, 4, 128),  # both steps' loads in flight, no split-K
     "m2_split3": decode(2, 4, 32, split=3),  # uneven splits over 5 K steps
     "m4_split4_empty": decode(4, 16, 64, split=4),  # splits with no K step at all
 }
@@ -56,12 +58,15 @@ def test_decode_per_token_scales(device, qdtype, x_mode):
 
 
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
-def test_decode_gated(device, qdtype):
-    # N = 2 x 35 interleaved gate/up rows: the last column block holds a partial set of pairs.
+@pytest.mark.parametrize("cfg", [decode(4, 8, 32, split=2), decode(1, 2, 128)],
+                         ids=["split", "whole_k_pair"])
+def test_decode_gated(device, qdtype, cfg):
+    # N = 2 x 35 interleaved gate/up rows: the last column block holds a partial set of pairs;
+    # a two-row block holds one pair.
     out = torch.int8 if qdtype == torch.int8 else torch.float32
     for M in (1, 6):
         check(gated_case(M, 96, 70, device, "swiglu", qdtype=qdtype, out_dtype=out,
-                         residual=True), decode(4, 8, 32, split=2))
+                         residual=True), cfg)
 
 
 def _unaligned(t: torch.Tensor) -> torch.Tensor:
@@ -107,3 +112,9 @@ def test_decode_candidates_lead_small_buckets():
             for c in dec:
                 assert c.block_m <= max(M, 1) and -(-5632 // c.block_k) >= c.split_k
                 assert tuning.fits(c, kind)
+            # whole-K ones: one or two K steps, no split, lanes within the cap, pairs whole
+            whole = [c for c in dec if c.split_k == 1 and -(-5632 // c.block_k) <= 2]
+            assert whole and all(c.block_n >= 2 for c in whole)
+            for c in whole:
+                lanes = c.block_k // 4 if kind.startswith("int8") or c.block_m > 1 else c.block_k
+                assert c.block_m * c.block_n * lanes <= tuning.DECODE_LANES * 32 * c.num_warps
