@@ -25,6 +25,7 @@ import copy
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -87,13 +88,12 @@ def torchao_model(model, kind):
         Float8DynamicActivationFloat8WeightConfig,
         Int8DynamicActivationInt8WeightConfig,
         PerRow,
-        quantize_,
     )
 
     model = copy.deepcopy(model)
     cfg = (Int8DynamicActivationInt8WeightConfig() if kind == "int8"
            else Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-    quantize_(model, cfg)
+    harness.torchao_quantize(model, cfg)  # Inductor's settings left alone (see harness)
     return model
 
 
@@ -218,7 +218,9 @@ def bench_model(model_name, batches, impls, rows, out_path, done=frozenset(), de
             torch._dynamo.reset()
             compiled = torch.compile(model)
             fn = lambda c=compiled, i=inp: c(**i)  # noqa: E731
-            run_row(rows, model_name, batch, impl, "compile", fn, ref, out_path)
+            # torchao's rows compile (at their first call) with torchao's Inductor settings
+            with harness.torchao_inductor() if impl.startswith("torchao") else nullcontext():
+                run_row(rows, model_name, batch, impl, "compile", fn, ref, out_path)
             try:
                 replay = graphed(fn)
             except Exception as exc:  # noqa: BLE001

@@ -22,6 +22,45 @@ from triton.testing import do_bench
 DEVICE = "cuda"
 
 
+# torchao's quantize_ (``set_inductor_config=True``, its default) sets these Inductor options for
+# the whole process (torchao.quantization.utils.recommended_inductor_config_setter): every model
+# compiled afterwards, bf16 and qfuse included, then ran coordinate-descent tuning over all
+# directions (on an H100 one bf16 decode layer had not finished compiling after 6 minutes). The
+# benchmarks quantize without them and compile torchao's rows, and only those, under them
+# (``torchao_inductor``): each toolkit as its users get it.
+TORCHAO_INDUCTOR = {
+    "coordinate_descent_tuning": True,
+    "coordinate_descent_check_all_directions": True,
+    "force_fuse_int_mm_with_mul": True,
+}
+
+
+def torchao_quantize(model: torch.nn.Module, config) -> None:
+    """``torchao.quantization.quantize_(model, config)``, Inductor's settings left as they were."""
+    import dataclasses
+
+    import torch._inductor.config as ic
+    from torchao.quantization import quantize_
+
+    if dataclasses.is_dataclass(config) and any(
+        f.name == "set_inductor_config" for f in dataclasses.fields(config)
+    ):
+        config = dataclasses.replace(config, set_inductor_config=False)
+    keys = [k for k in (*TORCHAO_INDUCTOR, "fx_graph_cache") if hasattr(ic, k)]
+    before = {k: getattr(ic, k) for k in keys}
+    quantize_(model, config)
+    for k, v in before.items():  # in case a config without the flag set them anyway
+        setattr(ic, k, v)
+
+
+def torchao_inductor():
+    """A context in which ``torch.compile`` compiles with torchao's recommended Inductor settings
+    (compilation happens at the first call: run that inside)."""
+    import torch._inductor.config as ic
+
+    return ic.patch({k: v for k, v in TORCHAO_INDUCTOR.items() if hasattr(ic, k)})
+
+
 def environment() -> dict:
     """Device, library versions and the commit the numbers belong to (``QFUSE_COMMIT`` wins: the
     device machine's copy of the tree may carry a stale .git)."""

@@ -78,3 +78,19 @@ def test_gemm_positions_average_each_projection_over_layers_and_calls():
     assert [p["us"] for p in got["per_layer"]] == [4.5, 3.5, 9.5, 6.5]
     assert got["after_layers"] == [{"kernel": "nvjet_sm90_tst_256x8", "us": 50.0}]
     assert bench_llm.gemm_positions(call[:-1] + call, calls=2, layers=2) is None  # uneven
+
+
+def test_torchao_quantize_leaves_inductor_settings_alone():
+    """torchao's quantize_ turns on coordinate-descent tuning for the whole process by default;
+    the benchmarks' wrapper must not, or every later bf16/qfuse compile row changes with it."""
+    import harness
+    import torch
+    import torch._inductor.config as ic
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    before = {k: getattr(ic, k) for k in harness.TORCHAO_INDUCTOR}
+    harness.torchao_quantize(torch.nn.Sequential(torch.nn.Linear(32, 16)), Int8WeightOnlyConfig())
+    assert {k: getattr(ic, k) for k in harness.TORCHAO_INDUCTOR} == before
+    with harness.torchao_inductor():
+        assert ic.coordinate_descent_tuning and ic.coordinate_descent_check_all_directions
+    assert {k: getattr(ic, k) for k in harness.TORCHAO_INDUCTOR} == before
