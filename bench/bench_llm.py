@@ -140,8 +140,8 @@ PLANS["all"] = PLANS["graph"] + PLANS["compile"]
 CLASSES = (
     ("norm", ("rsqrt", "rms_norm", "rmsnorm", "layer_norm", "_ln_quant")),
     # _qlinear_ covers the MMA kernel and the decode kernel (_qlinear_decode_kernel), which the
-    # 2026-11-25 H100 run filed under "other" (llm_h100_graph.json's classes were corrected
-    # afterwards from each row's top kernels; its "note" says so).
+    # 2026-11-25 H100 run filed under "other" (earlier/llm_h100_graph_d0d7f13.json: classes
+    # corrected afterwards from each row's top kernels; its "note" says so).
     ("quantized GEMM", ("_qlinear_", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
                         "fp8_gemm", "int8_gemm")),
     ("quantize", ("_quantize_kernel", "quant", "amax", "to_fp8")),
