@@ -402,7 +402,23 @@ def run_row(rows, out_path, impl, mode, step, fn, ref, gate, profile_fn=None):
     rows.append(row)
     short = {k: v for k, v in row.items() if k != "breakdown"}
     print(short, flush=True)
-    harness.write_results(out_path, rows)  # keep what was measured if a later row dies
+    checkpoint(out_path, rows)  # keep what was measured if a later row dies
+
+
+# What the file says about the run besides its rows, set by ``main`` once the models are built.
+RUN_META: dict = {}
+
+
+def checkpoint(out_path: str, rows: list[dict], done: bool = False) -> list[dict]:
+    """Write the rows so far with ratios, targets, the autotune timings and the run's metadata,
+    after every row: two H100 calls this session were stopped by their time limit inside a
+    compile row and left rows without any of it. ``complete`` says whether the plan finished."""
+    rows_out = [dict(r) for r in rows]
+    add_ratios(rows_out)
+    extra = {**RUN_META, "targets": targets(rows_out), "autotune": tuning.REPORTS,
+             "complete": done}
+    harness.write_results(out_path, rows_out, extra=extra)
+    return rows_out
 
 
 def add_ratios(rows) -> None:
@@ -537,6 +553,11 @@ def main(argv=None):
         build_s[impl] = round(time.time() - t0, 1)
     print(f"built {sorted(models)} in {build_s}", flush=True)
     precompiled = precompile_wait(warm) if warm is not None else None
+    RUN_META.clear()
+    RUN_META.update(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
+                    build_s=build_s, plan=args.plan, precompile=precompiled,
+                    weight_bytes={k: weight_bytes(m) for k, m in models.items()},
+                    note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
     steps, refs = {}, {}
     with torch.no_grad():
         for phase, batch, mode, group in PLANS[args.plan]:
@@ -571,15 +592,9 @@ def main(argv=None):
                         os.environ.pop("QFUSE_AUTOTUNE", None)
                     else:
                         os.environ["QFUSE_AUTOTUNE"] = tune
-    add_ratios(rows)
+    RUN_META["wall_s"] = round(time.time() - t_start, 1)
+    rows[:] = checkpoint(out_path, rows, done=True)
     goals = targets(rows)
-    meta = dict(model=shape, config=SHAPES[shape], prompt=prompt, cache_slots=slots,
-                build_s=build_s, wall_s=round(time.time() - t_start, 1),
-                plan=args.plan, targets=goals, precompile=precompiled,
-                weight_bytes={k: weight_bytes(m) for k, m in models.items()},
-                autotune=tuning.REPORTS,
-                note="dynamic qfuse impls run untuned schedules (QFUSE_AUTOTUNE=0)")
-    harness.write_results(out_path, rows, extra=meta)
     print(table(rows))
     for goal in goals:
         print(goal, flush=True)

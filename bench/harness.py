@@ -199,10 +199,13 @@ def error_text(exc: Exception) -> str:
 
 
 def write_results(path: str, rows: list[dict], extra: dict | None = None) -> None:
-    """``{device, torch, triton, commit, date, **extra, rows}`` as JSON at ``path``."""
+    """``{device, torch, triton, commit, date, **extra, rows}`` as JSON at ``path``, written to a
+    temporary file and renamed: a run killed while writing leaves the previous file whole."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump({**environment(), **(extra or {}), "rows": rows}, f, indent=1)
+    os.replace(tmp, path)
 
 
 def add_ratios(rows: list[dict], key: tuple[str, ...]) -> None:

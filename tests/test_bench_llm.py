@@ -14,8 +14,10 @@ def test_tiny_run_writes_checked_rows(tmp_path):
     out = tmp_path / "llm.json"
     bench_llm.main(["--tiny", "--impls", "bf16,qfuse_int8,qfuse_int8_dyn", "--out", str(out)])
     data = json.loads(out.read_text())
-    for key in ("device", "torch", "triton", "commit", "model", "config", "build_s"):
+    for key in ("device", "torch", "triton", "commit", "model", "config", "build_s", "targets",
+                "autotune"):
         assert key in data
+    assert data["complete"] is True
     rows = data["rows"]
     assert {(r["impl"], r["phase"], r["batch"]) for r in rows} >= {
         ("bf16", "decode", 1), ("qfuse_int8", "decode", 1), ("qfuse_int8", "prefill", 1),
@@ -94,3 +96,17 @@ def test_torchao_quantize_leaves_inductor_settings_alone():
     with harness.torchao_inductor():
         assert ic.coordinate_descent_tuning and ic.coordinate_descent_check_all_directions
     assert {k: getattr(ic, k) for k in harness.TORCHAO_INDUCTOR} == before
+
+
+def test_checkpoint_keeps_ratios_and_targets_of_a_run_cut_short(tmp_path):
+    out = tmp_path / "partial.json"
+    rows = [dict(impl="bf16", mode="graph", phase="decode", batch=1, median_us=300.0),
+            dict(impl="qfuse_int8", mode="graph", phase="decode", batch=1, median_us=200.0)]
+    bench_llm.RUN_META.update(model="tiny", plan="graph")
+    bench_llm.checkpoint(str(out), rows)
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and data["model"] == "tiny"
+    assert data["rows"][1]["x_bf16"] == 1.5 and "x_bf16" not in rows[1]  # the caller's rows kept
+    (goal,) = [t for t in data["targets"] if t["target"] == "decode batch 1 vs bf16 best"]
+    assert goal["x"] == 1.5 and goal["met"] is False
+    assert not list(tmp_path.glob("*.tmp*"))  # written through a temporary file, renamed
