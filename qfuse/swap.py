@@ -51,10 +51,7 @@ class _FloatFacing:
         quantized = buffers["weight"]
         if quantized is None or self.__dict__.get("_in_kernel", False):
             return quantized
-        dtype = self.out_dtype if self.out_dtype.is_floating_point else torch.float32
-        if dtype in (torch.float8_e4m3fn,):
-            dtype = torch.float32
-        return torch.empty(0, dtype=dtype, device=quantized.device)
+        return self.facing_weight()
 
     @property
     def qweight(self) -> torch.Tensor:

@@ -89,6 +89,16 @@ class QuantizedModule(nn.Module):
         """True when the layer expects int8/fp8 input handed over by the previous fused layer."""
         return self._input_quantized
 
+    def facing_weight(self) -> torch.Tensor:
+        """What a swapped layer shows its parent as ``weight`` (``convert(output="model")``): an
+        empty tensor of the float dtype the layer computes in, on the layer's device. Models
+        cast inputs to ``layer.weight.dtype`` (ViT's patch embedding); an int8 ``weight`` there
+        would turn the input into integers before the layer sees it."""
+        dtype = self.out_dtype if self.out_dtype.is_floating_point else torch.float32
+        if dtype == torch.float8_e4m3fn:
+            dtype = torch.float32
+        return torch.empty(0, dtype=dtype, device=self._buffers["weight"].device)
+
     @property
     def output_quantized(self) -> bool:
         """True when the layer hands int8/fp8 to the next fused layer."""

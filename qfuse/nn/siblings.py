@@ -81,14 +81,9 @@ class QSibling(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """As ``SwappedQLinear.weight`` faces a parent: an empty tensor of the float dtype the
-        layer computes in (models cast inputs to ``layer.weight.dtype``); ``qweight`` is this
-        member's rows of the quantized weight."""
-        merged = self.merged_layer
-        dtype = merged.out_dtype if merged.out_dtype.is_floating_point else torch.float32
-        if dtype == torch.float8_e4m3fn:
-            dtype = torch.float32
-        return torch.empty(0, dtype=dtype, device=merged.weight.device)
+        """As ``SwappedQLinear.weight`` faces a parent (``QuantizedModule.facing_weight``);
+        ``qweight`` is this member's rows of the quantized weight."""
+        return self.merged_layer.facing_weight()
 
     @property
     def qweight(self) -> torch.Tensor:
