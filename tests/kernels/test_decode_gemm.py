@@ -25,8 +25,6 @@ def decode(bm, bn, bk, split=1, warps=4):
 
 SCHEDULES = {
     "m1": decode(1, 8, 64),
-    "whole_k": decode(1, 2, 256),  # K in one masked step, two rows (tuning.whole_k_candidates)
-    "whole_k_2steps": decode(2, 4, 128),  # both steps' loads in flight, no split-K
     "m2_split3": decode(2, 4, 32, split=3),  # uneven splits over 5 K steps
     "m4_split4_empty": decode(4, 16, 64, split=4),  # splits with no K step at all
 }
@@ -50,6 +48,18 @@ def test_decode_schedules(device, name, qdtype, K):
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cfg", [decode(1, 2, 64), decode(2, 4, 32)],
+                         ids=["one_step", "two_steps"])
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("K", [61, 60], ids=["k_odd", "k_words"])
+def test_decode_whole_k(device, cfg, qdtype, K):
+    """``tuning.whole_k_candidates``' shapes: K in one masked step of two rows, or two steps
+    (both loads in flight) over 2-row blocks; no split-K. Small K keeps the interpreter fast."""
+    for M, out_dtype, x_mode in ((1, torch.int8, "static"), (3, torch.bfloat16, "quantized")):
+        check(make_case(M, K, 13, device, qdtype=qdtype, x_mode=x_mode, act="silu",
+                        out_dtype=out_dtype, residual=True), cfg)
+
+
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("x_mode", ["dynamic", "rows"])
 def test_decode_per_token_scales(device, qdtype, x_mode):
@@ -58,15 +68,15 @@ def test_decode_per_token_scales(device, qdtype, x_mode):
 
 
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("cfg", [decode(4, 8, 32, split=2), decode(1, 2, 128)],
-                         ids=["split", "whole_k_pair"])
-def test_decode_gated(device, qdtype, cfg):
-    # N = 2 x 35 interleaved gate/up rows: the last column block holds a partial set of pairs;
-    # a two-row block holds one pair.
+def test_decode_gated(device, qdtype):
+    # N = 2 x 35 interleaved gate/up rows: the last column block holds a partial set of pairs.
     out = torch.int8 if qdtype == torch.int8 else torch.float32
     for M in (1, 6):
         check(gated_case(M, 96, 70, device, "swiglu", qdtype=qdtype, out_dtype=out,
-                         residual=True), cfg)
+                         residual=True), decode(4, 8, 32, split=2))
+    # whole K in one step, a two-row block holding one gate/up pair
+    check(gated_case(1, 40, 14, device, "swiglu", qdtype=qdtype, out_dtype=out,
+                     residual=True), decode(1, 2, 64))
 
 
 def _unaligned(t: torch.Tensor) -> torch.Tensor:
