@@ -53,7 +53,7 @@ import harness  # noqa: E402
 from bench_models import graphed  # noqa: E402
 
 import qfuse  # noqa: E402
-from qfuse.kernels import tuning  # noqa: E402
+from qfuse.kernels import schedules, tuning  # noqa: E402
 
 SHAPES = {
     # TinyLlama-1.1B (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads).
@@ -180,7 +180,7 @@ def precompile_jobs(config, impls, ms, sms: int) -> list:
             v = Variant(f"{qname}-{'xq' if xq else 'xf'}", act=act, quantized_out=q_out,
                         fast_act=act != "none")
             for M in ms:
-                for cfg in tuning.runnable_candidates(M, N, K, v.kind, sms, act != "none"):
+                for cfg in schedules.runnable_candidates(M, N, K, v.kind, sms, act != "none"):
                     jobs.append((v, dataclasses.asdict(cfg)))
     return list(dict.fromkeys((v, tuple(sorted(c.items()))) for v, c in jobs))
 
@@ -332,23 +332,35 @@ def median_us(fn) -> float:
 
 def gemm_positions(trace, calls: int, layers: int) -> dict | None:
     """The GEMM kernels of one call in launch order, averaged per position within a decoder
-    layer: which projection spends the GEMM time (Q/K/V, O, gate/up, down, then what follows
-    the last layer, the LM head). None when the count does not divide into ``layers``."""
+    layer: which projection spends the GEMM time (Q/K/V, O, gate/up, down), with the GEMMs
+    launched before the first layer (the rotary embedding's matmul) and after the last (the LM
+    head) apart. The layers start at the first offset where every layer launches the same
+    kernels in the same order, with the most GEMMs a layer can have and fewer outside the layers
+    than in one. None when no such pattern repeats."""
     seq = [(n, us) for n, us in trace if classify(n) in ("GEMM", "quantized GEMM")]
     if not seq or len(seq) % calls:
         return None
     per_call = len(seq) // calls
-    per_layer = per_call // layers
-    if per_layer == 0:
+    names = [n for n, _ in seq[:per_call]]
+    # the most GEMMs a layer can have first (fewer, e.g. one, repeat trivially); fewer GEMMs
+    # outside the layers than in one (else a short pattern matches by chance)
+    found = next(((per_layer, o) for per_layer in range(per_call // layers, 0, -1)
+                  if per_call - per_layer * layers < per_layer
+                  for o in range(per_call - per_layer * layers + 1)
+                  if all(names[o + i] == names[o + i % per_layer]
+                         for i in range(per_layer * layers))), None)
+    if found is None:
         return None
+    per_layer, start = found
     body = per_layer * layers
     positions = []
     for p in range(per_layer):
-        times = [us for c in range(calls) for _, us in seq[c * per_call + p:
-                                                          c * per_call + body:per_layer]]
-        positions.append(dict(kernel=seq[p][0][:40], us=round(sum(times) / len(times), 2)))
-    after = [dict(kernel=n[:40], us=round(us, 2)) for n, us in seq[body:per_call]]
-    return {"per_layer": positions, "after_layers": after}
+        times = [us for c in range(calls)
+                 for _, us in seq[c * per_call + start + p:c * per_call + start + body:per_layer]]
+        positions.append(dict(kernel=names[start + p][:40], us=round(sum(times) / len(times), 2)))
+    outside = lambda part: [dict(kernel=n[:40], us=round(us, 2)) for n, us in part]  # noqa: E731
+    return {"per_layer": positions, "before_layers": outside(seq[:start]),
+            "after_layers": outside(seq[start + body:per_call])}
 
 
 def breakdown(fn, calls: int = 3, layers: int | None = None) -> dict:

@@ -8,7 +8,7 @@ tokens, int8 and fp8, each with the epilogue it has in a converted decoder layer
 and K or V alone) and o_proj from float x, gate+up merged with the SwiGLU epilogue handing
 int8/fp8 to down, down from quantized x with the residual. Per case:
 
-- every candidate schedule ``tuning.candidates`` offers: the MMA kernel's (``_qlinear_kernel``;
+- every candidate schedule ``schedules.candidates`` offers: the MMA kernel's (``_qlinear_kernel``;
   the best of them is "qfuse before", what autotune picked before the decode kernel existed)
   and the decode kernel's (``decode=True``); the best of all is "qfuse after";
 - cuBLAS bf16 ``F.linear`` on the same shape, ``torch._int_mm`` / ``torch._scaled_mm`` (the
@@ -117,12 +117,12 @@ def make_args(case: Case, device: str) -> dict:
 
 
 def qfuse_configs(case: Case, sms: int) -> list:
-    """Every schedule autotune would time for this case (``tuning.runnable_candidates``)."""
-    from qfuse.kernels import tuning
+    """Every schedule autotune would time for this case (``schedules.runnable_candidates``)."""
+    from qfuse.kernels import schedules
 
     _, K, N, act, *_ = case.shape
     heavy = act not in ("none", "relu")
-    return tuning.runnable_candidates(case.M, N, K, case.kind, sms, heavy, 2)
+    return schedules.runnable_candidates(case.M, N, K, case.kind, sms, heavy, 2)
 
 
 def cfg_name(cfg) -> str:
@@ -353,9 +353,9 @@ def main() -> None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         if a.workers > 1:
             precompile([(c, cfg) for c in cases for cfg in qfuse_configs(c, sms)], a.workers)
-    from qfuse.kernels import tuning
+    from qfuse.kernels import schedules
 
-    tuning.INTERPRETER_CONFIG  # noqa: B018 — qfuse importable before the loop
+    schedules.INTERPRETER_CONFIG  # noqa: B018 — qfuse importable before the loop
     results = []
     for case in cases:
         res = run_case(case, sms, device, timed=not a.tiny)

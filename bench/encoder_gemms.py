@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/encoder_gemms.py [--out bench/results/encoder_gemms_h200.json]
 
 Whole-model profiles (bench_models.py) give the quantized GEMMs' total; this says, per shape,
-which schedule wins and by how much, so the candidate list in ``kernels/tuning.py`` is set from
+which schedule wins and by how much, so the candidate list in ``kernels/schedules.py`` is set from
 measurements. Each layer runs with the epilogue it has inside the converted model (``LAYERS``):
 Q/K/V merged reading the LayerNorm's int8/fp8, bf16 out; the attention output projection
 quantizing SDPA's bf16 output in its prologue, + residual; FFN up with GELU (fast epilogue)
@@ -27,7 +27,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import harness as H  # noqa: E402
 from warm import Variant, make_args, precompile  # noqa: E402
 
-from qfuse.kernels import qgemm, tuning  # noqa: E402
+from qfuse.kernels import qgemm, schedules, tuning  # noqa: E402
 from qfuse.ops import reference  # noqa: E402
 
 # (layer, K, N as multiples of the hidden size d) and its variant in the fused model
@@ -127,7 +127,7 @@ def main():
                 for qname in ("int8", "fp8"):
                     v = variant(qname, spec)
                     heavy = spec["act"] not in ("none", "relu")
-                    cands = tuning.runnable_candidates(M, nd * d, kd * d, v.kind, sms, heavy)
+                    cands = schedules.runnable_candidates(M, nd * d, kd * d, v.kind, sms, heavy)
                     plan.append((model, M, layer, kd * d, nd * d, qname, v, cands))
                     jobs += [(v, dataclasses.asdict(c)) for c in cands]
     precompile(jobs)

@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/epilogue_ab.py
 
 ReLU shows the GEMM alone; GELU adds the heavy epilogue. The tile shape and ``epi_split`` rows are
-the evidence behind ``tuning.for_epilogue``.
+the evidence behind ``schedules.for_epilogue``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import harness as H  # noqa: E402
 from warm import Variant, make_args, precompile  # noqa: E402
 
 from qfuse.kernels import qgemm  # noqa: E402
-from qfuse.kernels.tuning import GemmConfig  # noqa: E402
+from qfuse.kernels.schedules import GemmConfig  # noqa: E402
 
 M, K, N = 16384, 4096, 14336
 CONFIGS = [

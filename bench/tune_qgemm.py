@@ -21,7 +21,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_linear import KNS, MS  # noqa: E402
 from warm import Variant, make_args, precompile  # noqa: E402
 
-from qfuse.kernels import qgemm, tuning  # noqa: E402
+from qfuse.kernels import qgemm, schedules, tuning  # noqa: E402
 
 KINDS = ("int8-xf", "int8-xq", "fp8-xf", "fp8-xq")
 # bench_linear's shapes plus the MLP's second layer at d=1024 (K=h=4096, N=d=1024).
@@ -43,7 +43,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     precompile([(variant(kind), dataclasses.asdict(cfg))
                 for kind, (K, N), M in itertools.product(KINDS, SHAPES, MS)
-                for cfg in tuning.candidates(M, N, K, kind, sms)], a.workers)
+                for cfg in schedules.candidates(M, N, K, kind, sms)], a.workers)
     table, timings = {}, []
     for kind, (K, N), M in itertools.product(KINDS, SHAPES, MS):
         key = tuning.cache_key(gpu, kind, M, N, K)
@@ -52,7 +52,7 @@ def main():
         report = []
         args = make_args(variant(kind), M, K, N)
         best = tuning.autotune(lambda cfg, a=args: qgemm.qlinear(**a, config=cfg),
-                               tuning.candidates(M, N, K, kind, sms), report)
+                               schedules.candidates(M, N, K, kind, sms), report)
         table[key] = dataclasses.asdict(best)
         for cfg, us in report:
             timings.append(dict(kind=kind, M=M, K=K, N=N, cfg=dataclasses.asdict(cfg), ms=us))

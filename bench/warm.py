@@ -56,7 +56,7 @@ def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
 
 def _compile_one(job):
     from qfuse.kernels import qgemm
-    from qfuse.kernels.tuning import GemmConfig
+    from qfuse.kernels.schedules import GemmConfig
 
     variant, cfg = job
     try:
@@ -83,8 +83,8 @@ def precompile(jobs, workers: int = 12) -> list[str]:
 
 def table_jobs(variants, gpu: str) -> list:
     """Jobs for every tuned schedule of this GPU whose kind matches a variant."""
+    from qfuse.kernels.schedules import GemmConfig, for_epilogue
     from qfuse.kernels.tuned_configs import TUNED
-    from qfuse.kernels.tuning import GemmConfig, for_epilogue
 
     jobs = []
     for key, row in TUNED.items():

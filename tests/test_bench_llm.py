@@ -71,15 +71,20 @@ def test_precompile_covers_the_static_impls_gemms():
 
 
 def test_gemm_positions_average_each_projection_over_layers_and_calls():
-    # Two calls of a 2-layer model: per layer a norm, Q/K/V, O, gate/up, down; then the LM head.
+    # Two calls of a 2-layer model: the rotary embedding's matmul first, then per layer a norm,
+    # Q/K/V, O, gate/up, down; then the LM head.
     layer = [("rms_norm_kernel", 1.0), ("_qlinear_decode_kernel", 4.0),
              ("_qlinear_decode_kernel", 3.0), ("_qlinear_decode_kernel", 9.0),
-             ("_qlinear_decode_kernel", 6.0)]
-    call = layer + [(n, us + 1) for n, us in layer] + [("nvjet_sm90_tst_256x8", 50.0)]
+             ("_qlinear_mma_kernel", 6.0)]
+    call = ([("cutlass_rotary_matmul", 2.0)] + layer + [(n, us + 1) for n, us in layer]
+            + [("nvjet_sm90_tst_256x8", 50.0)])
     got = bench_llm.gemm_positions(call + call, calls=2, layers=2)
     assert [p["us"] for p in got["per_layer"]] == [4.5, 3.5, 9.5, 6.5]
+    assert got["before_layers"] == [{"kernel": "cutlass_rotary_matmul", "us": 2.0}]
     assert got["after_layers"] == [{"kernel": "nvjet_sm90_tst_256x8", "us": 50.0}]
     assert bench_llm.gemm_positions(call[:-1] + call, calls=2, layers=2) is None  # uneven
+    scrambled = call[:4] + call[5:6] + call[4:5] + call[6:]  # layer 0: gate/up and down swapped
+    assert bench_llm.gemm_positions(scrambled, calls=1, layers=2) is None
 
 
 def test_torchao_quantize_leaves_inductor_settings_alone():

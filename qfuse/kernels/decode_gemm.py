@@ -9,7 +9,7 @@ At decode sizes (M = 1..32 tokens) a quantized GEMM is a weight stream: TinyLlam
 and fills the GPU by split-K over 64..256-column tiles: 32..160 programs, each streaming its
 tile through a pipeline, measured at 1.06 TB/s over a decode step (README, LLM decode). Here a
 program owns ``BLOCK_N`` whole weight rows (4..16) and ``BLOCK_K`` columns per step, so a
-2048-row weight gives 128..512 column blocks, and split-K (``tuning.decode_candidates``) brings
+2048-row weight gives 128..512 column blocks, and split-K (``schedules.decode_candidates``) brings
 the grid to ~8 programs per SM, each with its few steps' loads in flight; W is read in its
 stored [N, K] layout (K contiguous: 16-byte vector loads), and the next step's weights are
 loaded before this step's products. Without split-K (gate+up: 1408 column blocks of 8) each

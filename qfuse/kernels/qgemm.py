@@ -35,7 +35,8 @@ from qfuse.kernels.common import (
 )
 from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, words
 from qfuse.kernels.epilogue import finish_tile, float_grid, output_code, split_k_reduce
-from qfuse.kernels.tuning import GemmConfig, pick_config
+from qfuse.kernels.schedules import GemmConfig
+from qfuse.kernels.tuning import pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -23,7 +23,7 @@ from qfuse.kernels.qgemm import (
     launch,
     qlinear,
 )
-from qfuse.kernels.tuning import m_bucket
+from qfuse.kernels.schedules import m_bucket
 
 
 class _Plan:

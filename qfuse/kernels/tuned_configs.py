@@ -2,7 +2,7 @@
 
 Data, not code: regenerate with that script on the GPU named in the key (these: one H200,
 torch 2.11 / triton 3.6, 2026-11-21; timings in bench/results/tune_h200.json). Fields are
-``tuning.GemmConfig``'s: block_m, block_n, block_k, group_m, split_k, num_warps, num_stages,
+``schedules.GemmConfig``'s: block_m, block_n, block_k, group_m, split_k, num_warps, num_stages,
 prequantize.
 """
 

@@ -14,8 +14,8 @@ import torch
 from test_gated_epilogue import gated_case
 from test_qgemm import FP8, check, make_case
 
-from qfuse.kernels import decode_gemm, qgemm, tuning
-from qfuse.kernels.tuning import GemmConfig
+from qfuse.kernels import decode_gemm, qgemm, schedules
+from qfuse.kernels.schedules import GemmConfig
 
 
 def decode(bm, bn, bk, split=1, warps=4):
@@ -53,7 +53,7 @@ def test_decode_schedules(device, name, qdtype, K):
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("K", [61, 60], ids=["k_odd", "k_words"])
 def test_decode_whole_k(device, cfg, qdtype, K):
-    """``tuning.whole_k_candidates``' shapes: K in one masked step of two rows, or two steps
+    """``schedules.whole_k_candidates``' shapes: K in one masked step of two rows, or two steps
     (both loads in flight) over 2-row blocks; no split-K. Small K keeps the interpreter fast."""
     for M, out_dtype, x_mode in ((1, torch.int8, "static"), (3, torch.bfloat16, "quantized")):
         check(make_case(M, K, 13, device, qdtype=qdtype, x_mode=x_mode, act="silu",
@@ -111,20 +111,20 @@ def test_decode_candidates_lead_small_buckets():
     a bucket compiles at most 16."""
     for M in (1, 8, 16, 32, 64):
         for kind in ("int8-xq", "fp8-xf"):
-            cands = tuning.candidates(M, 2048, 5632, kind, 132)
+            cands = schedules.candidates(M, 2048, 5632, kind, 132)
             assert len(cands) <= 16
             dec = [c for c in cands if c.decode]
-            if M > tuning.DECODE_MAX_M:
+            if M > schedules.DECODE_MAX_M:
                 assert not dec
                 continue
-            first = M <= tuning.DECODE_FIRST_M and kind.startswith("int8")
+            first = M <= schedules.DECODE_FIRST_M and kind.startswith("int8")
             assert dec and cands[0].decode == first
             for c in dec:
                 assert c.block_m <= max(M, 1) and -(-5632 // c.block_k) >= c.split_k
-                assert tuning.fits(c, kind)
+                assert schedules.fits(c, kind)
             # whole-K ones: one or two K steps, no split, lanes within the cap, pairs whole
             whole = [c for c in dec if c.split_k == 1 and -(-5632 // c.block_k) <= 2]
             assert whole and all(c.block_n >= 2 for c in whole)
             for c in whole:
                 lanes = c.block_k // 4 if kind.startswith("int8") or c.block_m > 1 else c.block_k
-                assert c.block_m * c.block_n * lanes <= tuning.DECODE_LANES * 32 * c.num_warps
+                assert c.block_m * c.block_n * lanes <= schedules.DECODE_LANES * 32 * c.num_warps

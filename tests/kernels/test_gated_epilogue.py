@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_qgemm import FP8, check, make_case
 
-from qfuse.kernels.tuning import GemmConfig
+from qfuse.kernels.schedules import GemmConfig
 from qfuse.ops import reference
 
 GATED = ("swiglu", "geglu", "geglu_tanh")

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qfuse.kernels import qgemm
-from qfuse.kernels.tuning import GemmConfig
+from qfuse.kernels.schedules import GemmConfig
 from qfuse.ops import reference
 
 FP8 = torch.float8_e4m3fn

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.kernels import tuning
-from qfuse.kernels.tuning import GemmConfig, m_bucket
+from qfuse.kernels import schedules, tuning
+from qfuse.kernels.schedules import GemmConfig, m_bucket
 
 SMEM = 232448  # bytes of shared memory an H100/H200 block may use
 
@@ -19,14 +19,14 @@ def test_buckets_are_monotone_and_cover_every_m():
     buckets = [m_bucket(m) for m in range(1, 20000)]
     assert buckets == sorted(buckets)
     assert all(b >= m for m, b in zip(range(1, 20000), buckets, strict=True) if m <= 8192)
-    assert len(set(buckets)) == len(tuning.M_BUCKETS) + 1
+    assert len(set(buckets)) == len(schedules.M_BUCKETS) + 1
 
 
 @pytest.mark.parametrize("kind", ["int8-xf", "int8-xq", "fp8-xf", "fp8-xq"])
 @pytest.mark.parametrize("M", [1, 16, 64, 128, 512, 16384])
 @pytest.mark.parametrize(("K", "N"), [(4096, 14336), (14336, 4096), (1024, 4096)])
 def test_candidates_fit_the_gpu(kind, M, K, N):
-    cands = tuning.candidates(M, N, K, kind, sms=132)
+    cands = schedules.candidates(M, N, K, kind, sms=132)
     assert cands and len(cands) <= 16, "a small set: autotuning compiles each one"
     for c in cands:
         x_bytes = 2 if kind.endswith("xf") and not c.prequantize else 1
@@ -88,7 +88,7 @@ def test_decode_buckets_are_timed_cold_and_reported(fake_gpu, monkeypatch):
 def test_no_autotune_when_disabled(fake_gpu, monkeypatch):
     monkeypatch.setenv("QFUSE_AUTOTUNE", "0")
     cfg = tuning.pick_config(100, 4096, 4096, "fp8-xf", torch.device("cpu"), False, run=print)
-    assert fake_gpu.calls == [] and cfg == tuning.candidates(100, 4096, 4096, "fp8-xf", 132)[0]
+    assert fake_gpu.calls == [] and cfg == schedules.candidates(100, 4096, 4096, "fp8-xf", 132)[0]
 
 
 def test_shipped_table_is_used_for_its_gpu(fake_gpu, monkeypatch):
@@ -105,13 +105,13 @@ def test_shipped_table_entries_are_valid_configs():
     for key, row in TUNED.items():
         gpu, kind, m, n, k = key.split("|")
         assert kind in ("int8-xf", "int8-xq", "fp8-xf", "fp8-xq")
-        assert int(m[1:]) in (*tuning.M_BUCKETS, 2 * tuning.M_BUCKETS[-1])
+        assert int(m[1:]) in (*schedules.M_BUCKETS, 2 * schedules.M_BUCKETS[-1])
         GemmConfig(**row)
 
 
 def test_interpreter_gets_its_own_schedule():
     cfg = tuning.pick_config(5, 10, 10, "int8-xf", torch.device("cpu"), True)
-    assert cfg == tuning.INTERPRETER_CONFIG
+    assert cfg == schedules.INTERPRETER_CONFIG
 
 
 def test_heavy_epilogue_caps_the_tile(fake_gpu, monkeypatch):
@@ -134,7 +134,7 @@ def test_every_pick_fits_shared_memory(fake_gpu, monkeypatch, kind, M, tune):
     monkeypatch.setenv("QFUSE_AUTOTUNE", "1" if tune else "0")
     cfg = tuning.pick_config(M, 1536, 384, kind, torch.device("cpu"), False,
                              run=lambda c: None, heavy_epilogue=True, x_bytes=4)
-    assert tuning.fits(cfg, kind, 4), cfg
+    assert schedules.fits(cfg, kind, 4), cfg
 
 
 def test_autotune_raises_when_no_schedule_launches(monkeypatch):
@@ -145,7 +145,7 @@ def test_autotune_raises_when_no_schedule_launches(monkeypatch):
 
     report = []
     with pytest.raises(qfuse.errors.BackendError, match="no GEMM schedule could launch"):
-        tuning.autotune(run, tuning.candidates(4096, 384, 384, "int8-xq", 132)[:2], report)
+        tuning.autotune(run, schedules.candidates(4096, 384, 384, "int8-xq", 132)[:2], report)
     assert len(report) == 2 and all("out of resources" in e for _, e in report)
 
 
@@ -153,7 +153,7 @@ def test_autotune_keeps_no_flush_buffer(monkeypatch):
     """The cold timings' 2x-L2 buffer lives for one autotune, not for the process."""
     monkeypatch.setattr(tuning, "_time_ms", lambda fn, cold=False: (
         tuning._FLUSH.setdefault(1, object()), 1.0)[1])
-    cands = tuning.candidates(16, 2048, 2048, "int8-xq", 132)[:2]
+    cands = schedules.candidates(16, 2048, 2048, "int8-xq", 132)[:2]
     assert tuning.autotune(lambda cfg: None, cands, cold=True) == cands[0]
     assert tuning._FLUSH == {}
 
@@ -174,10 +174,10 @@ def test_cold_timing_reads_weights_from_memory():
 def test_heavy_epilogue_offers_one_warpgroup_tiles_at_any_size(M):
     # Above 4096x4096 weights every compute-bound candidate is capped to the same 128x128x128
     # schedule: autotune must still have the one-warpgroup tiles whose epilogues overlap.
-    cands = tuning.runnable_candidates(M, 11264, 2048, "int8-xf", 132, heavy_epilogue=True)
-    assert cands[0] == tuning.for_epilogue(cands[0], True)  # the untuned pick is unchanged
+    cands = schedules.runnable_candidates(M, 11264, 2048, "int8-xf", 132, heavy_epilogue=True)
+    assert cands[0] == schedules.for_epilogue(cands[0], True)  # the untuned pick is unchanged
     assert len(cands) == len(set(cands)) >= 5
     assert any(c.num_warps == 4 and c.block_k == 64 for c in cands)
-    assert all(c.block_m * c.block_n <= 128 * 128 and tuning.fits(c, "int8-xf") for c in cands)
-    light = tuning.runnable_candidates(M, 11264, 2048, "int8-xf", 132, heavy_epilogue=False)
+    assert all(c.block_m * c.block_n <= 128 * 128 and schedules.fits(c, "int8-xf") for c in cands)
+    light = schedules.runnable_candidates(M, 11264, 2048, "int8-xf", 132, heavy_epilogue=False)
     assert not any(c.num_warps == 4 and c.block_k == 64 for c in light)  # heavy only
