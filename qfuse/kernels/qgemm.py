@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     out_features,
@@ -36,6 +37,7 @@ from qfuse.kernels.common import (
 from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, words
 from qfuse.kernels.epilogue import finish_tile, float_grid, output_code, split_k_reduce
 from qfuse.kernels.schedules import GemmConfig
+from qfuse.kernels.tma_gemm import _qlinear_tma_kernel, tma_args
 from qfuse.kernels.tuning import pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
@@ -239,6 +241,8 @@ def _grid0(cfg: GemmConfig, tiles, device: torch.device):
 
 
 def _kernel(cfg: GemmConfig):
+    if cfg.tma:
+        return _qlinear_tma_kernel
     if cfg.decode:
         return _qlinear_decode_kernel
     return _qlinear_persistent_kernel if cfg.persistent else _qlinear_kernel
@@ -303,6 +307,8 @@ def gemm_args(
     if cfg.decode:
         w_words = words(weight)
         args.update(WORDS=w_words, EVEN_K=K % cfg.block_k == 0, X_WORDS=w_words and words(x))
+    if cfg.tma:
+        args = tma_args(args, x, weight, cfg)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return (_grid0(cfg, tiles, x.device), cfg.split_k), args, options
 
@@ -328,6 +334,10 @@ def launch(
     """Launch ``_qlinear_kernel`` once with schedule ``cfg`` into ``out`` [M, N]; returns what
     Triton's launch returned (the ``CompiledKernel``). ``wrap`` is ``torch.library.wrap_triton``
     when called from the op's traced CUDA path (so Inductor owns the launch), else None."""
+    if cfg.tma and wrap is not None:
+        raise UnsupportedError("a TMA schedule is launched through qfuse::tma_qlinear when traced")
+    if cfg.tma and (x.stride(1) != 1 or x.stride(0) != x.shape[1] or x.data_ptr() % 16):
+        x = x.clone(memory_format=torch.contiguous_format)  # a descriptor wants aligned rows
     grid, args, options = gemm_args(
         x, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
         out_inv_scale, out_zero_point, act, out, cfg, fast_act, tracing=wrap is not None,
@@ -389,15 +399,25 @@ def qlinear(
         x, x_scale = quantize(x, qdtype, None, None, INTERPRETED, wrap=wrap)
         x_float = False
 
-    def run(cfg: GemmConfig):
+    def run(cfg: GemmConfig) -> torch.Tensor:
         xq = x
         if x_float and cfg.prequantize and prequantize_fn is not None:
             xq = prequantize_fn(x)
         elif x_float and cfg.prequantize:
             xq, _ = quantize(x, qdtype, x_inv_scale, x_zero_point, INTERPRETED, wrap=wrap)
-        return launch(xq, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
-                      residual, out_inv_scale, out_zero_point, act, out, cfg, fast_act, wrap)
+        if cfg.tma and wrap is not None:
+            # Traced: Inductor cannot yet capture host-side descriptors made inside a
+            # triton_op's body, so the TMA launch is an opaque op of its own (CUDA-graphed
+            # like any other kernel; its descriptors are built at run time).
+            from qfuse.kernels.tma_launch import traced_tma_qlinear
+
+            return traced_tma_qlinear(xq, weight, scale, x_scale, bias, x_zero_point,
+                                      weight_sum, residual, out_inv_scale, out_zero_point, act,
+                                      out.dtype, cfg, fast_act)
+        launch(xq, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
+               residual, out_inv_scale, out_zero_point, act, out, cfg, fast_act, wrap)
+        return out
 
     tunable = wrap is None  # never time candidates on fake tensors
-    run(_schedule(M, N, K, x, qdtype, x_float, act, x.device, run if tunable else None, config))
-    return out
+    return run(_schedule(M, N, K, x, qdtype, x_float, act, x.device, run if tunable else None,
+                         config))

@@ -31,6 +31,9 @@ class GemmConfig:
     # The weight-streaming kernel without tensor cores (``decode_gemm._qlinear_decode_kernel``, see
     # ``kernels/decode_gemm.py``): block_m rows x block_n weight rows per program, no stages.
     decode: bool = False
+    # x and W tiles loaded through TMA descriptors (``tma_gemm._qlinear_tma_kernel``): x must be
+    # quantized in memory first (a prequantize pass for float x); ``persistent`` walks tiles.
+    tma: bool = False
 
 
 # Decode batches get their own buckets below 16: the decode kernel computes every row of its
@@ -268,8 +271,31 @@ def runnable_candidates(M: int, N: int, K: int, kind: str, sms: int, heavy_epilo
     cands = [for_epilogue(c, heavy_epilogue) for c in candidates(M, N, K, kind, sms)]
     if heavy_epilogue and m_bucket(M) > WEIGHT_STREAMING:
         cands += heavy_candidates(kind.endswith("xf"))
+    cands += [for_epilogue(c, heavy_epilogue) for c in tma_candidates(M, N, K, kind.endswith("xf"))]
     cands = list(dict.fromkeys(cands))
     return [c for c in cands if fits(c, kind, x_bytes)] or cands
+
+
+# TMA schedules (``tma_gemm``) for the MMA buckets: (block_m, block_n, block_k, num_warps,
+# num_stages, persistent, epi_split).
+TMA_SHAPES = (
+    (128, 128, 128, 8, 3, False, 1), (128, 128, 128, 8, 4, True, 1),
+    (128, 128, 64, 4, 4, False, 1), (128, 128, 64, 4, 4, True, 1),
+    (128, 256, 128, 8, 3, False, 1), (128, 256, 128, 8, 3, True, 1),
+    (128, 256, 64, 8, 4, True, 2), (64, 128, 128, 4, 4, False, 1),
+    (128, 64, 128, 4, 4, False, 1), (256, 128, 128, 8, 3, True, 1),
+    (128, 128, 128, 4, 3, False, 1), (64, 256, 128, 4, 3, False, 1),
+)
+
+
+def tma_candidates(M: int, N: int, K: int, x_float: bool) -> list[GemmConfig]:
+    """TMA schedules for a compute-bound bucket; none where a descriptor cannot read the
+    operands (a row pitch of K bytes must be a multiple of 16)."""
+    if m_bucket(M) <= WEIGHT_STREAMING or K % 16:
+        return []
+    return [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, prequantize=x_float,
+                       epi_split=epi, persistent=p, tma=True)
+            for bm, bn, bk, w, st, p, epi in TMA_SHAPES]
 
 
 def heavy_candidates(x_float: bool) -> list[GemmConfig]:
