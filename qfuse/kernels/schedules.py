@@ -34,6 +34,8 @@ class GemmConfig:
     # x and W tiles loaded through TMA descriptors (``tma_gemm._qlinear_tma_kernel``): x must be
     # quantized in memory first (a prequantize pass for float x); ``persistent`` walks tiles.
     tma: bool = False
+    # TMA persistent only: the tile loop warp-specialized (``tl.range(warp_specialize=True)``).
+    warp_spec: bool = False
 
 
 # Decode batches get their own buckets below 16: the decode kernel computes every row of its
