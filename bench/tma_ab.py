@@ -1,5 +1,5 @@
 """The encoder GEMMs on a short list of schedules: the MMA family's winners, the TMA family's
-one-tile and persistent forms, and warp-specialized persistent TMA; plus, for the FFN-up GEMM,
+one-tile and persistent forms; plus, for the FFN-up GEMM,
 the same schedule with lighter epilogues, so the epilogue's share of its time is measured.
 
     PYTHONPATH=. python bench/tma_ab.py [--M 4096] [--out bench/results/tma_ab_h200.json]
@@ -27,9 +27,9 @@ MMA = [GemmConfig(128, 128, 64, num_warps=4, num_stages=3),
 TMA = [GemmConfig(128, 128, 128, num_warps=4, num_stages=3, tma=True),
        GemmConfig(64, 128, 128, num_warps=4, num_stages=4, tma=True),
        GemmConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True)]
-WS = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=s, epi_split=e, tma=True,
-                 persistent=True, warp_spec=True)
-      for bm, bn, bk, w, s, e in ((128, 128, 64, 4, 4, 1), (128, 128, 128, 8, 3, 1))]
+PERSISTENT_TMA = [GemmConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True, persistent=True),
+                  GemmConfig(128, 128, 128, num_warps=8, num_stages=3, tma=True,
+                             persistent=True)]
 
 
 def main():
@@ -46,7 +46,8 @@ def main():
                 for qname in ("int8", "fp8"):
                     v = E.variant(qname, spec)
                     pre = not spec["xq"]
-                    cands = [dataclasses.replace(c, prequantize=pre) for c in MMA + TMA + WS]
+                    cands = [dataclasses.replace(c, prequantize=pre)
+                             for c in MMA + TMA + PERSISTENT_TMA]
                     plan.append((model, M, layer, kd * d, nd * d, qname, v, cands))
                     if layer == "ffn_up" and qname == "int8":  # the epilogue's share
                         for act, qout in (("none", False), ("gelu", False), ("none", True)):
@@ -54,25 +55,24 @@ def main():
                                          fast_act=act == "gelu")
                             plan.append((model, M, f"ffn_up[{act},{'q' if qout else 'bf16'}]",
                                          kd * d, nd * d, qname, lv, cands))
-    # Warp-specialized schedules compile in the timed process (one at a time, first use).
-    precompile([(p[6], dataclasses.asdict(c)) for p in plan for c in p[7] if not c.warp_spec])
+    precompile([(p[6], dataclasses.asdict(c)) for p in plan for c in p[7]])
     rows = []
     for p in plan:  # the file is rewritten after every row: a cut-off call keeps what ran
         rows.append(E.one_row(*p))
         if a.out:
             H.write_results(a.out, rows)
-    print("\n| model | M | layer | dtype | bf16 | cuBLAS q | best MMA | best TMA | best WS |")
+    print("\n| model | M | layer | dtype | bf16 | cuBLAS q | MMA | TMA | TMA persistent |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         best = {}
         for us, c in r.get("all", []):
             if isinstance(us, float):
-                fam = "ws" if c["warp_spec"] else "tma" if c["tma"] else "mma"
+                fam = ("tma-p" if c["persistent"] else "tma") if c["tma"] else "mma"
                 best[fam] = min(best.get(fam, 1e9), us)
         q = r.get("int_mm_us") or r.get("scaled_mm_us")
         print(f"| {r['model']} | {r['M']} | {r['layer']} | {r['dtype']} | {r['bf16_us']:.1f} | "
               f"{q:.1f} | {best.get('mma', 0):.1f} | {best.get('tma', 0):.1f} | "
-              f"{best.get('ws', 0):.1f} |")
+              f"{best.get('tma-p', 0):.1f} |")
 
 
 if __name__ == "__main__":

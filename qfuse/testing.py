@@ -29,6 +29,8 @@ import enum
 import torch
 import torch.nn.functional as F
 
+from qfuse.kernels.common import EPILOGUE_ACTIVATIONS
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -41,9 +43,8 @@ class Accumulation(enum.Enum):
 
 
 # Largest slope of each activation (Lipschitz constant): an input error d moves the output by at
-# most slope * d. GELU peaks at 1.129 (x = 2.4), SiLU at 1.100 (x = 2.4), hardswish at 1.5 (x = 3).
-ACT_SLOPE = {"none": 1.0, "relu": 1.0, "relu6": 1.0, "gelu": 1.13, "gelu_tanh": 1.13,
-             "silu": 1.1, "hardswish": 1.5}
+# most slope * d (kernels.common.EPILOGUE_ACTIVATIONS).
+ACT_SLOPE = {name: a.slope for name, a in EPILOGUE_ACTIVATIONS.items() if not a.gate}
 
 # One rounding of a float output, relative to its magnitude (one ulp), and the absolute floor
 # for float32 epilogue arithmetic (its ~40 IEEE ops in GELU/SiLU, each 2**-24 relative).

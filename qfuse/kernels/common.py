@@ -27,16 +27,43 @@ ROUND_MAGIC = tl.constexpr(12582912.0)
 FP8_E4M3_MAX = tl.constexpr(448.0)
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
-# Activation codes passed to kernels as the ACT constexpr. "gelu" is the erf form
-# (torch.nn.GELU()), "gelu_tanh" the tanh form (torch.nn.GELU(approximate="tanh")).
-ACTIVATION_CODES = {
-    "none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "relu6": 5, "hardswish": 6,
-    "swiglu": 7, "geglu": 8, "geglu_tanh": 9,
+@dataclass(frozen=True)
+class Activation:
+    """One epilogue activation: ``code`` is the kernels' ``ACT`` constexpr (``activation`` /
+    ``gated`` branch on it); ``gate`` names the activation a gated one applies to the gate half
+    (its weight rows interleave gate and up: [g0, u0, g1, u1, ...], out[:, j] = gate(y[:, 2j]) *
+    y[:, 2j + 1], N / 2 columns; every even-width column tile holds whole pairs); ``light``: costs
+    about nothing in an epilogue (others get register-light schedules and the fast form on the
+    GPU); ``slope``: its largest slope (Lipschitz constant), which test bounds scale by.
+
+    Adding an activation: one row here, its branch in ``activation``, and its twin in
+    ``ops.reference.ACTIVATIONS`` (tests/kernels/test_activations.py checks all three agree).
+    """
+
+    code: int
+    gate: str | None = None
+    light: bool = False
+    slope: float = 1.0
+
+
+# "gelu" is the erf form (torch.nn.GELU()), "gelu_tanh" the tanh form. GELU's slope peaks at
+# 1.129 (x = 2.4), SiLU's at 1.100 (x = 2.4), hardswish's at 1.5 (x = 3).
+EPILOGUE_ACTIVATIONS = {
+    "none": Activation(0, light=True),
+    "relu": Activation(1, light=True),
+    "gelu": Activation(2, slope=1.13),
+    "gelu_tanh": Activation(3, slope=1.13),
+    "silu": Activation(4, slope=1.1),
+    "relu6": Activation(5, light=True),
+    "hardswish": Activation(6, slope=1.5),
+    "swiglu": Activation(7, gate="silu"),
+    "geglu": Activation(8, gate="gelu"),
+    "geglu_tanh": Activation(9, gate="gelu_tanh"),
 }
-# Gated activations of a GEMM whose weight rows interleave gate and up projections
-# [g0, u0, g1, u1, ...]: out[:, j] = act(y[:, 2j]) * y[:, 2j + 1], N / 2 columns. Interleaved,
-# every even-width column tile holds whole pairs. Name -> the activation applied to the gate.
-GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+# Views of the table by what callers ask.
+ACTIVATION_CODES = {name: a.code for name, a in EPILOGUE_ACTIVATIONS.items()}
+GATED_ACTIVATIONS = {name: a.gate for name, a in EPILOGUE_ACTIVATIONS.items() if a.gate}
+LIGHT_ACTIVATIONS = tuple(name for name, a in EPILOGUE_ACTIVATIONS.items() if a.light)
 
 
 def out_features(rows: int, act: str) -> int:

@@ -5,7 +5,7 @@ small programs, each streaming a few weight rows with 16-byte loads.
     out       = _epilogue(acc)                       (``epilogue.gemm_epilogue``, as in ``qgemm``)
 
 At decode sizes (M = 1..32 tokens) a quantized GEMM is a weight stream: TinyLlama's o_proj is
-4 MB of int8, 0.9 us at the H200's 4.8 TB/s. ``qgemm._qlinear_kernel`` pads M to a 16-row MMA
+4 MB of int8, 0.9 us at the H200's 4.8 TB/s. ``mma_gemm._qlinear_kernel`` pads M to a 16-row MMA
 and fills the GPU by split-K over 64..256-column tiles: 32..160 programs, each streaming its
 tile through a pipeline, measured at 1.06 TB/s over a decode step (README, LLM decode). Here a
 program owns ``BLOCK_N`` whole weight rows (4..16) and ``BLOCK_K`` columns per step, so a
@@ -27,7 +27,7 @@ fixed order per schedule (deterministic), within float32 rounding of the referen
 
 Offered by ``tuning`` (``GemmConfig.decode``) for the 1- and 2-row buckets, where it won on an
 H100 for int8 (0.82-0.97x the best MMA schedule's time at M = 1; it lost at M = 8 and 32);
-launched with the same arguments as ``qgemm._qlinear_kernel`` (plus the ``WORDS``, ``EVEN_K``
+launched with the same arguments as ``mma_gemm._qlinear_kernel`` (plus the ``WORDS``, ``EVEN_K``
 and ``X_WORDS`` constexprs), so the eager cached launch and ``wrap_triton`` take it unchanged.
 """
 
@@ -264,3 +264,11 @@ def words(t: torch.Tensor) -> bool:
     whenever it held when they were built."""
     return (t.dtype == torch.int8 and t.stride(1) == 1 and t.shape[1] % 4 == 0
             and t.stride(0) % 4 == 0 and t.storage_offset() % 4 == 0)
+
+
+def decode_args(args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict:
+    """``qgemm.gemm_args``' arguments plus the decode kernel's own: whether W (and x) are read
+    as int32 words, and whether K is a whole number of blocks."""
+    w_words = words(weight)
+    return {**args, "WORDS": w_words, "EVEN_K": args["K"] % cfg.block_k == 0,
+            "X_WORDS": w_words and words(x)}

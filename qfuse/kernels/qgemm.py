@@ -1,4 +1,4 @@
-"""Fused quantized GEMM, int8 or fp8 e4m3, with the whole epilogue in registers.
+"""The fused quantized GEMM's launcher: int8 or fp8 e4m3, with the whole epilogue in registers.
 
     acc[M, N] = x_q @ W_q^T                       (int8: int32 accumulate; fp8: float32)
     y = (acc - zp_x * colsum(W)) * scale[n] [* x_scale[m]] + bias[n]
@@ -9,12 +9,11 @@ or already quantized — handed over by the previous fused layer, or by ``quanti
 per-token scales ``x_scale[m]`` (dynamic). W is [N, K] int8 or fp8 with one float32 scale per
 output channel, folded with a static activation scale into ``scale[n] = s_x * s_w[n]``.
 
-Small M is memory-bound on W (4096x14336 int8 is 59 MB, 15 us at 4 TB/s), so there the tile grid
-is split along K (``SPLIT_K``) until it fills the GPU; partial accumulators go to a workspace and
-the last program of each tile (an atomic counter) reduces them in a fixed order and runs the
-epilogue, so results stay deterministic and int8 outputs stay bit-exact. For the smallest M,
-``_qlinear_decode_kernel`` (same arguments and epilogue, no tensor cores; ``decode_gemm.py``)
-streams the weights from many more, smaller programs; ``tuning`` offers both.
+The kernels live one family a file (``families``: MMA tiles with split-K and their persistent
+form, ``mma_gemm``; weight streaming for the smallest M, ``decode_gemm``; TMA descriptor loads,
+``tma_gemm``). This module describes one call once (``gemm_args``: every argument by name), binds
+it to the family of the schedule ``tuning`` picked, and launches it: plainly, through
+``wrap_triton`` when traced, or (a family that tracing cannot capture) through its opaque op.
 """
 
 from __future__ import annotations
@@ -23,191 +22,16 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels.common import (
-    ACTIVATION_CODES,
-    out_features,
-    quantize_fp8,
-    quantize_int8,
-    tile_indices,
-)
-from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, words
-from qfuse.kernels.epilogue import finish_tile, float_grid, output_code, split_k_reduce
+from qfuse.kernels.common import ACTIVATION_CODES, LIGHT_ACTIVATIONS, out_features
+from qfuse.kernels.epilogue import float_grid, output_code
+from qfuse.kernels.families import family
 from qfuse.kernels.schedules import GemmConfig
-from qfuse.kernels.tma_gemm import _qlinear_tma_kernel, tma_args
 from qfuse.kernels.tuning import pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# Activations whose epilogue costs about nothing; the others get register-light schedules.
-_LIGHT_ACTS = ("none", "relu")
-
-
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qlinear_kernel(
-    # pointers
-    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
-    # dimensions
-    M, N, K,
-    # strides
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    # meta-parameters: numerics
-    FP8: tl.constexpr,
-    X_QUANTIZED: tl.constexpr,
-    X_INV_VEC: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr,
-    HAS_X_ZP: tl.constexpr,
-    ZP_CORR: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    OUT_Q: tl.constexpr,
-    HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr,
-    OUT_EMIN: tl.constexpr,
-    EXACT: tl.constexpr,
-    FAST_ACT: tl.constexpr,
-    # meta-parameters: schedule
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_m, pid_n = tile_indices(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-
-    # This program's K range: all of K, or its share of the K tiles under split-K.
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    k_first = 0
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_first = tl.program_id(1) * per_split
-        k_tiles = tl.minimum(k_tiles, k_first + per_split)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk
-    w_ptrs = w_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn
-
-    if not X_QUANTIZED:
-        if not X_INV_VEC:
-            x_inv_scale = tl.load(x_inv_scale_ptr)
-        x_zp = 0.0
-        if HAS_X_ZP:
-            x_zp = tl.load(x_zp_ptr).to(tl.float32)
-
-    # ---- main loop: int8 / fp8 tensor-core MMA ----
-    if FP8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(k_first, k_tiles):
-        k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        if not X_QUANTIZED:
-            if X_INV_VEC:  # per-input-channel (SmoothQuant prologue) inverse scales
-                inv_ptrs = x_inv_scale_ptr + k * BLOCK_K + offs_k
-                x_inv_scale = tl.load(inv_ptrs, mask=offs_k < k_left, other=0.0)[None, :]
-            if FP8:
-                a = quantize_fp8(a.to(tl.float32), x_inv_scale, EXACT)
-            else:
-                a = quantize_int8(a.to(tl.float32), x_inv_scale, x_zp)
-        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-
-    # ---- split-K: park the partial sum; the tile's last program reduces and goes on ----
-    is_last = True
-    if SPLIT_K > 1:
-        acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
-    if is_last:
-        finish_tile(
-            acc, offs_m, pid_n, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
-        )
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qlinear_persistent_kernel(
-    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, ZP_CORR: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-):
-    """``_qlinear_kernel`` (same arguments, same numbers; no split-K) as a persistent kernel:
-    one program per SM walks the output tiles, and the flattened loop lets the software
-    pipeliner issue the next tile's first loads while this tile's epilogue runs. Short K loops
-    (encoder GEMMs: K = 384..768 is 3..6 tiles of 128) otherwise spend a pipeline fill and
-    drain per tile with the tensor cores idle."""
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    if not X_QUANTIZED:
-        if not X_INV_VEC:
-            x_inv_scale = tl.load(x_inv_scale_ptr)
-        x_zp = 0.0
-        if HAS_X_ZP:
-            x_zp = tl.load(x_zp_ptr).to(tl.float32)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = tile_indices(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Rows/columns past the edge read row/column 0 instead of being masked (only K is):
-        # unmasked loads pipeline better, and the epilogue's store mask drops them.
-        rows = tl.where(offs_m < M, offs_m, 0)
-        cols = tl.where(offs_n < N, offs_n, 0)
-        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
-        if FP8:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for k in range(0, k_tiles):
-            k_left = K - k * BLOCK_K
-            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            if not X_QUANTIZED:
-                if X_INV_VEC:
-                    inv_ptrs = x_inv_scale_ptr + k * BLOCK_K + offs_k
-                    x_inv_scale = tl.load(inv_ptrs, mask=offs_k < k_left, other=0.0)[None, :]
-                if FP8:
-                    a = quantize_fp8(a.to(tl.float32), x_inv_scale, EXACT)
-                else:
-                    a = quantize_int8(a.to(tl.float32), x_inv_scale, x_zp)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-        finish_tile(
-            acc, offs_m, pid_n, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
-        )
 
 
 # One self-resetting counter per output tile and device (split-K); 1 MiB of int32 covers every
@@ -241,11 +65,7 @@ def _grid0(cfg: GemmConfig, tiles, device: torch.device):
 
 
 def _kernel(cfg: GemmConfig):
-    if cfg.tma:
-        return _qlinear_tma_kernel
-    if cfg.decode:
-        return _qlinear_decode_kernel
-    return _qlinear_persistent_kernel if cfg.persistent else _qlinear_kernel
+    return family(cfg).kernel
 
 
 def _is_quantized(x: torch.Tensor) -> bool:
@@ -257,8 +77,9 @@ def gemm_args(
     out_inv_scale, out_zero_point, act: str, out: torch.Tensor, cfg: GemmConfig,
     fast_act: bool, tracing: bool = False,
 ) -> tuple[tuple[int, int], dict, dict]:
-    """Grid, arguments (by name, in ``_qlinear_kernel``'s order: the 14 pointers and M first)
-    and launch options of one launch with schedule ``cfg`` into ``out`` [M, N]."""
+    """Grid, arguments by name and launch options of one launch with schedule ``cfg`` into
+    ``out`` [M, N]: the call described once in the MMA kernels' order (the 14 pointers and M
+    first, what ``qgemm_eager``'s cached launch passes), then bound to ``cfg``'s family."""
     M, K = x.shape
     N = weight.shape[0]
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)  # ceil; triton.cdiv costs ~6 us here
@@ -296,7 +117,7 @@ def gemm_args(
         OUT_MANT=grid_bits[0],
         OUT_EMIN=grid_bits[1],
         EXACT=INTERPRETED,
-        FAST_ACT=fast_act and act not in _LIGHT_ACTS,
+        FAST_ACT=fast_act and act not in LIGHT_ACTIVATIONS,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -304,11 +125,9 @@ def gemm_args(
         SPLIT_K=cfg.split_k,
         EPI_SPLIT=cfg.epi_split,
     )
-    if cfg.decode:
-        w_words = words(weight)
-        args.update(WORDS=w_words, EVEN_K=K % cfg.block_k == 0, X_WORDS=w_words and words(x))
-    if cfg.tma:
-        args = tma_args(args, x, weight, cfg)
+    bind = family(cfg).bind
+    if bind is not None:
+        args = bind(args, x, weight, cfg)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return (_grid0(cfg, tiles, x.device), cfg.split_k), args, options
 
@@ -334,8 +153,9 @@ def launch(
     """Launch ``_qlinear_kernel`` once with schedule ``cfg`` into ``out`` [M, N]; returns what
     Triton's launch returned (the ``CompiledKernel``). ``wrap`` is ``torch.library.wrap_triton``
     when called from the op's traced CUDA path (so Inductor owns the launch), else None."""
-    if cfg.tma and wrap is not None:
-        raise UnsupportedError("a TMA schedule is launched through qfuse::tma_qlinear when traced")
+    if wrap is not None and not family(cfg).wrap_traced:
+        raise UnsupportedError(f"{family(cfg).name} schedules are launched through their own op "
+                               "when traced (qgemm.qlinear routes them)")
     if cfg.tma and (x.stride(1) != 1 or x.stride(0) != x.shape[1] or x.data_ptr() % 16):
         x = x.clone(memory_format=torch.contiguous_format)  # a descriptor wants aligned rows
     grid, args, options = gemm_args(
@@ -348,9 +168,9 @@ def launch(
 
 def _schedule(M, N, K, x, qdtype, x_float, act, device, run, config):
     kind = f"{'fp8' if qdtype == torch.float8_e4m3fn else 'int8'}-{'xf' if x_float else 'xq'}"
-    heavy = act not in _LIGHT_ACTS
+    heavy = act not in LIGHT_ACTIVATIONS
     return config or pick_config(M, N, K, kind, device, INTERPRETED, run, heavy,
-                                 x.element_size())
+                                 x.element_size(), epilogue=act if heavy else "")
 
 
 def qlinear(
@@ -405,7 +225,7 @@ def qlinear(
             xq = prequantize_fn(x)
         elif x_float and cfg.prequantize:
             xq, _ = quantize(x, qdtype, x_inv_scale, x_zero_point, INTERPRETED, wrap=wrap)
-        if cfg.tma and wrap is not None:
+        if wrap is not None and not family(cfg).wrap_traced:
             # Traced: Inductor cannot yet capture host-side descriptors made inside a
             # triton_op's body, so the TMA launch is an opaque op of its own (CUDA-graphed
             # like any other kernel; its descriptors are built at run time).

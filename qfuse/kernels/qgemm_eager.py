@@ -12,6 +12,7 @@ import torch
 
 from qfuse.kernels import quantize as qz
 from qfuse.kernels.common import out_features
+from qfuse.kernels.families import family
 from qfuse.kernels.launcher import build, raw_stream
 from qfuse.kernels.qgemm import (
     _grid0,
@@ -85,8 +86,8 @@ def _build_plan(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, r
     dynamic = not _is_quantized(x) and x_inv_scale is None
     x_float = not _is_quantized(x) and not dynamic
     cfg = _schedule(M, N, K, x, qdtype, x_float, act, x.device, None, None)
-    if cfg.tma:  # descriptors hold x's address: built per call by the ordinary launch
-        return None, "plain launch (TMA schedule: descriptors are built per call)", out
+    if not family(cfg).cached_eager:  # e.g. TMA: descriptors hold x's address, built per call
+        return None, f"plain launch ({family(cfg).name} schedule)", out
     xg, x_scale, quant = x, None, None
     if dynamic or (x_float and cfg.prequantize):
         inv = None if dynamic else x_inv_scale

@@ -26,7 +26,7 @@ class GemmConfig:
     # Run the epilogue on 1 or 2 column slices of the tile, one after the other: halves the
     # registers a heavy epilogue holds (GELU at 128x256: 5284 -> 3669 us); no gain at 128x128.
     epi_split: int = 1
-    # One program per SM walking the tiles (``qgemm._qlinear_persistent_kernel``); no split-K.
+    # One program per SM walking the tiles (``mma_gemm._qlinear_persistent_kernel``); no split-K.
     persistent: bool = False
     # The weight-streaming kernel without tensor cores (``decode_gemm._qlinear_decode_kernel``, see
     # ``kernels/decode_gemm.py``): block_m rows x block_n weight rows per program, no stages.
@@ -34,8 +34,6 @@ class GemmConfig:
     # x and W tiles loaded through TMA descriptors (``tma_gemm._qlinear_tma_kernel``): x must be
     # quantized in memory first (a prequantize pass for float x); ``persistent`` walks tiles.
     tma: bool = False
-    # TMA persistent only: the tile loop warp-specialized (``tl.range(warp_specialize=True)``).
-    warp_spec: bool = False
 
 
 # Decode batches get their own buckets below 16: the decode kernel computes every row of its

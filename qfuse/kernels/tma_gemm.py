@@ -4,16 +4,16 @@ loaded through host-side tensor descriptors, the epilogue is ``epilogue.finish_t
     acc[M, N] = x_q @ W_q^T                        (int8: int32 accumulate; fp8: float32)
     out       = finish_tile(acc)                   (scales, bias, act / gated, residual, requant)
 
-Same arguments and numbers as ``qgemm._qlinear_kernel`` for an already quantized x (int8/fp8,
+Same arguments and numbers as ``mma_gemm._qlinear_kernel`` for an already quantized x (int8/fp8,
 handed over by the previous layer or quantized by a separate pass: a descriptor reads memory as
 it is, so there is no prologue quantization here). A descriptor load is one bulk copy issued by
 one thread into swizzled shared memory, with edges past M, N and K zero-filled by the copy
 engine: no address arithmetic or masks in the main loop, and the registers they took are free
 for the accumulator and the epilogue. Grid: one program per tile, or (``persistent``) one per SM
 walking the tiles in grouped order with the loop flattened, so the next tile's first loads are in
-flight while this tile's epilogue runs; or (``warp_spec``) with the tile loop warp-specialized:
-Triton splits loads, MMAs and the epilogue into warp groups of their own, so a heavy epilogue
-(GELU + requant: as many instructions an element as the MMA takes) overlaps the next tile's MMAs.
+flight while this tile's epilogue runs. (A warp-specialized tile loop, which would overlap a heavy
+epilogue with the next tile's MMAs, does not compile for this kernel on sm_90: triton 3.7.1's
+make_ttgir fails, triton 3.6 did not finish within 180 s on an H200.)
 
 What a descriptor needs, checked by ``supported``: a 16-byte aligned base, unit stride along K
 and a row pitch that is a multiple of 16 bytes (K % 16 == 0 for one-byte elements).
@@ -59,12 +59,10 @@ def _qlinear_tma_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
 ):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN,
-                         warp_specialize=WARP_SPEC):
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_indices(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
@@ -124,7 +122,6 @@ def tma_args(ptr_args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict
         OUT_Q=a["OUT_Q"], HAS_OUT_ZP=a["HAS_OUT_ZP"], OUT_MANT=a["OUT_MANT"],
         OUT_EMIN=a["OUT_EMIN"], EXACT=a["EXACT"], FAST_ACT=a["FAST_ACT"],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.persistent and not cfg.warp_spec,
-        WARP_SPEC=cfg.warp_spec,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.persistent,
     )
 

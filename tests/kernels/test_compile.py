@@ -24,7 +24,7 @@ if CHILD:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from qfuse.kernels import qgemm, quantize
+    from qfuse.kernels import mma_gemm, quantize
     from qfuse.kernels.common import ACTIVATION_CODES
 
     TARGET = GPUTarget("cuda", 90, 32)
@@ -78,7 +78,7 @@ def compile_qlinear(variant) -> dict:
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
         EPI_SPLIT=2 if act == "gelu" else 1,
     )
-    fn = qgemm._qlinear_persistent_kernel if persistent else qgemm._qlinear_kernel
+    fn = mma_gemm._qlinear_persistent_kernel if persistent else mma_gemm._qlinear_kernel
     kernel = compile_sm90(fn, qgemm_pointers(w, x, out, acc), constexprs,
                           num_warps=warps, num_stages=stages)
     ptx = kernel.asm["ptx"]

@@ -21,10 +21,8 @@ TMA = [
     GemmConfig(16, 64, 32, num_stages=2, prequantize=True, tma=True, persistent=True),
     GemmConfig(32, 64, 64, num_stages=2, prequantize=True, tma=True, epi_split=2,
                persistent=True),
-    GemmConfig(32, 32, 32, num_stages=2, prequantize=True, tma=True, persistent=True,
-               warp_spec=True),
 ]
-IDS = ["tile", "persistent", "persistent_epi2", "warp_spec"]
+IDS = ["tile", "persistent", "persistent_epi2"]
 
 
 @pytest.mark.parametrize("cfg", TMA, ids=IDS)

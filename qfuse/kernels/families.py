@@ -1,0 +1,60 @@
+"""The fused GEMM's kernel families, registered once: which Triton function a schedule runs, how
+the launcher's arguments become that function's, and which launch routes it can take.
+
+Every family computes the same numbers from the same call (``qgemm.gemm_args`` describes it once,
+by name, in the MMA kernels' order); a schedule (``schedules.GemmConfig``) names its family by
+its flags, and ``tuning`` times candidates of every family against each other per shape, op and
+epilogue class. Adding a family: its kernel file, its candidates in ``schedules``, one row here.
+
+- ``mma``: tensor-core tiles with pointer loads, split-K for small grids (``mma_gemm``).
+- ``persistent``: the same, one program per SM walking the tiles (``mma_gemm``).
+- ``decode``: weight streaming without tensor cores for M <= 8 (``decode_gemm``).
+- ``tma``: tiles loaded through TMA descriptors, one-tile or persistent grids, optionally
+  warp-specialized (``tma_gemm``); needs an already quantized x in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, decode_args
+from qfuse.kernels.mma_gemm import _qlinear_kernel, _qlinear_persistent_kernel
+from qfuse.kernels.schedules import GemmConfig
+from qfuse.kernels.tma_gemm import _qlinear_tma_kernel, tma_args
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFamily:
+    """``bind(args, x, weight, cfg)``: the family's arguments by name from ``gemm_args``' (None:
+    they are the MMA kernels' as they are). ``cached_eager``: the eager hot path may launch it
+    through ``launcher.CachedLaunch`` (its leading arguments are plain pointers and M).
+    ``wrap_traced``: traced calls launch it through ``wrap_triton``; otherwise through an opaque
+    op (``tma_launch``) that builds what tracing cannot capture at run time."""
+
+    name: str
+    kernel: object
+    bind: Callable | None = None
+    cached_eager: bool = True
+    wrap_traced: bool = True
+
+
+FAMILIES = {
+    "mma": GemmFamily("mma", _qlinear_kernel),
+    "persistent": GemmFamily("persistent", _qlinear_persistent_kernel),
+    "decode": GemmFamily("decode", _qlinear_decode_kernel, bind=decode_args),
+    "tma": GemmFamily("tma", _qlinear_tma_kernel, bind=tma_args, cached_eager=False,
+                      wrap_traced=False),
+}
+
+
+def family_name(cfg: GemmConfig) -> str:
+    if cfg.tma:
+        return "tma"
+    if cfg.decode:
+        return "decode"
+    return "persistent" if cfg.persistent else "mma"
+
+
+def family(cfg: GemmConfig) -> GemmFamily:
+    return FAMILIES[family_name(cfg)]
