@@ -1,0 +1,85 @@
+"""Registers, spills and shared memory of fused-GEMM variants compiled for sm_90 on any machine
+(no GPU: ``triton.compile`` for a ``GPUTarget``, then ``ptxas -v`` on the PTX).
+
+    PYTHONPATH=. python bench/sm90_resources.py
+
+The rows are the encoder FFN-up layer as the converted models run it (GELU, int8/fp8 out), with
+the symmetric and the asymmetric (zero-point) int8 epilogue, and the FFN-down / attention layers
+without an activation: a schedule that spills pays local-memory traffic in every tile's epilogue.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from qfuse.kernels import mma_gemm, tma_gemm
+from qfuse.kernels.common import ACTIVATION_CODES
+
+PTXAS = str(__import__("pathlib").Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_variant(tma: bool, fp8: bool, act: str, out_q: int, zp: bool, bm: int, bn: int,
+                    bk: int, warps: int, stages: int, epi: int) -> dict:
+    fn = (tma_gemm._qlinear_tma_kernel if tma else mma_gemm._qlinear_kernel)
+    names = list(inspect.signature(fn.fn).parameters)
+    q = "fp8e4nv" if fp8 else "i8"
+    sig = {n: "i32" for n in names}
+    for n in ("scale_ptr", "x_scale_ptr", "bias_ptr", "x_inv_scale_ptr", "out_inv_scale_ptr"):
+        sig[n] = "*fp32"
+    sig.update(x_ptr=f"*{q}", w_ptr=f"*{q}", x_zp_ptr="*i32", wsum_ptr="*i32", res_ptr="*bf16",
+               out_zp_ptr="*i32", out_ptr=f"*{q}" if out_q else "*bf16",
+               ws_ptr="*fp32" if fp8 else "*i32", lock_ptr="*i32",
+               x_desc=f"tensordesc<{q}[{bm}, {bk}]>", w_desc=f"tensordesc<{q}[{bn}, {bk}]>")
+    cx = dict(FP8=fp8, X_QUANTIZED=True, X_INV_VEC=False, X_ROW_SCALE=False, HAS_X_ZP=zp,
+              ZP_CORR=zp, HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=act == "none",
+              OUT_Q=out_q, HAS_OUT_ZP=zp and out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False,
+              FAST_ACT=act != "none", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=1,
+              EPI_SPLIT=epi, FLATTEN=False)
+    cx = {k: v for k, v in cx.items() if k in names}
+    sig = {k: ("constexpr" if k in cx else v) for k, v in sig.items() if k in names}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)
+    k = triton.compile(src, target=TARGET, options={"enable_fp_fusion": False,
+                                                    "num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        res = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", res)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res)
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_stores=int(spill.group(1)) if spill else None,
+                spill_loads=int(spill.group(2)) if spill else None, shared=k.metadata.shared)
+
+
+ROWS = [
+    # (label, tma, fp8, act, out_q, zp, bm, bn, bk, warps, stages, epi)
+    ("ffn_up int8 asym  MMA 128x128x64 w4 s3", False, False, "gelu", 1, True, 128, 128, 64, 4, 3, 1),
+    ("ffn_up int8 asym  MMA 128x128x64 w4 s4 e2", False, False, "gelu", 1, True, 128, 128, 64, 4, 4, 2),
+    ("ffn_up int8 sym   MMA 128x128x64 w4 s3", False, False, "gelu", 1, False, 128, 128, 64, 4, 3, 1),
+    ("ffn_up int8 asym  TMA 128x128x64 w4 s4", True, False, "gelu", 1, True, 128, 128, 64, 4, 4, 1),
+    ("ffn_up int8 asym  TMA 128x128x64 w4 s4 e2", True, False, "gelu", 1, True, 128, 128, 64, 4, 4, 2),
+    ("ffn_up fp8        MMA 128x128x64 w4 s4", False, True, "gelu", 2, False, 128, 128, 64, 4, 4, 1),
+    ("ffn_down int8 asym MMA 128x128x128 w4 s3", False, False, "none", 0, True, 128, 128, 128, 4, 3, 1),
+    ("ffn_down int8 asym TMA 128x128x128 w4 s3", True, False, "none", 0, True, 128, 128, 128, 4, 3, 1),
+]
+
+
+def main():
+    print("| variant | registers | spill stores / loads (bytes) | shared (bytes) |")
+    print("|---|---|---|---|")
+    for label, *v in ROWS:
+        r = compile_variant(*v)
+        print(f"| {label} | {r['regs']} | {r['spill_stores']} / {r['spill_loads']} | "
+              f"{r['shared']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
