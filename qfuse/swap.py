@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import warnings
 
 import torch
@@ -73,9 +74,14 @@ class SwappedQConv2d(_FloatFacing, QConv2d):
     """``QConv2d`` swapped into a user's model (``weight`` faces the parent as float)."""
 
 
-def _facing(module: nn.Module) -> nn.Module:
+def float_facing(module: nn.Module) -> nn.Module:
+    """Make a ``QLinear`` / ``QConv2d`` face its parent as float (in place)."""
     module.__class__ = SwappedQLinear if isinstance(module, QLinear) else SwappedQConv2d
     return module
+
+
+def is_float_facing(module: nn.Module) -> bool:
+    return isinstance(module, _FloatFacing)
 
 
 def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> str:
@@ -145,11 +151,21 @@ _FLOAT_ATTRS = (
 )
 
 
-def _keep_attrs(float_module: nn.Module, quantized: nn.Module) -> nn.Module:
+def keep_float_attrs(float_module: nn.Module, quantized: nn.Module) -> nn.Module:
+    """Copy what parents read off a layer (``_FLOAT_ATTRS``) from the float module."""
     for attr in _FLOAT_ATTRS:
         if attr in float_module.__dict__ and attr not in quantized.__dict__:
             setattr(quantized, attr, float_module.__dict__[attr])
     return quantized
+
+
+def copy_public_attrs(float_module: nn.Module, swapped: nn.Module) -> nn.Module:
+    """Copy a module swapped whole's public plain attributes (hidden_size, config, ...: what
+    callers read) from the float module it replaces."""
+    for attr, value in vars(float_module).items():
+        if not attr.startswith("_") and attr != "training" and attr not in vars(swapped):
+            setattr(swapped, attr, value)
+    return swapped
 
 
 def _left_to_forward(chain: Chain, model_name: str) -> str:
@@ -221,10 +237,7 @@ def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layer
                     torch.int8 if handoff else float_dtype)
     down_module = build(bare_down, config, plan, None, handoff, float_dtype)
     float_mlp = model.get_submodule(parent)
-    mlp = QGatedMLP(gate_up, down_module)
-    for attr, value in vars(float_mlp).items():  # hidden_size, config, ...: what callers read
-        if not attr.startswith("_") and attr not in ("training",) and attr not in vars(mlp):
-            setattr(mlp, attr, value)
+    mlp = copy_public_attrs(float_mlp, QGatedMLP(gate_up, down_module))
     model.set_submodule(parent, mlp)
     note = (f"gated MLP {parent} swapped whole ({type(float_mlp).__name__} → QGatedMLP): "
             f"gate and up as one GEMM, {ACTIVATION_NAMES[chain.activation]} in its epilogue")
@@ -250,14 +263,14 @@ def _swap_merged(model, chain, bare, module, members, layers):
                 " output='graph' fuses it)")
         for i, (member, float_member) in enumerate(zip(members, float_members, strict=True)):
             part = module.rows(i, None, 2)
-            model.set_submodule(member, _keep_attrs(float_member, part))
+            model.set_submodule(member, keep_float_attrs(float_member, part))
             layers.append(_record(dataclasses.replace(bare, name=member), part, member,
                                   None, [], [note]))
-            _facing(part)
+            float_facing(part)
         return
     siblings = QSibling.group(module, [m.out_features for m in float_members])
     for member, float_member, sibling in zip(members, float_members, siblings, strict=True):
-        model.set_submodule(member, _keep_attrs(float_member, sibling))
+        model.set_submodule(member, keep_float_attrs(float_member, sibling))
         others = ", ".join(m for m in members if m != member)
         note = (f"one GEMM with {others} (merged layer {chain.name}, held by {members[0]}): "
                 f"the first member called on an input runs it, the others take their rows")
@@ -344,10 +357,10 @@ def convert_model(
         path = chain.name
         float_module = model.get_submodule(chain.name)
         if slots[chain.name] == "conv1d":
-            model.set_submodule(chain.name, _keep_attrs(float_module, QConv1d(module)))
+            model.set_submodule(chain.name, keep_float_attrs(float_module, QConv1d(module)))
             path = f"{chain.name}.conv"
         else:
-            model.set_submodule(chain.name, _keep_attrs(float_module, module))
+            model.set_submodule(chain.name, keep_float_attrs(float_module, module))
         layer_notes = [n for n in (_left_to_forward(chain, type(model).__name__),) if n]
         bn = bns.get(chain.weight)
         if bn is not None:
@@ -360,10 +373,14 @@ def convert_model(
         if chain.name in notes:
             layer_notes.append(notes[chain.name])
         layers.append(_record(bare, module, path, None, [], layer_notes))
-        _facing(module)
+        float_facing(module)
     result = copy.copy(state)
     result.stage, result.layers, result.observers, result.hessians = "converted", layers, {}, {}
     result.skipped = unswapped + list(state.skipped)
     result.source = None
     set_state(model, result)
+    if "transformers" in sys.modules:  # a PreTrainedModel saves and loads through qfuse's quantizer
+        from qfuse.integrations.transformers import attach
+
+        attach(model)
     return model
