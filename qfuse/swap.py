@@ -379,7 +379,7 @@ def convert_model(
     result.skipped = unswapped + list(state.skipped)
     result.source = None
     set_state(model, result)
-    if "transformers" in sys.modules:  # a PreTrainedModel saves and loads through qfuse's quantizer
+    if "transformers.modeling_utils" in sys.modules:  # a PreTrainedModel saves through qfuse
         from qfuse.integrations.transformers import attach
 
         attach(model)

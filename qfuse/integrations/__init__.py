@@ -17,13 +17,11 @@ _REGISTRY = "transformers.quantizers.auto"
 
 
 def _register_transformers() -> None:
-    try:
-        from qfuse.integrations.transformers import register
+    try:  # registers itself on import (a plain import: it may be the one importing transformers)
+        import qfuse.integrations.transformers  # noqa: F401
     except ImportError as exc:  # a transformers without the quantizer API qfuse uses
         warnings.warn(f"qfuse: not registered with transformers ({exc}); from_pretrained will "
                       "not rebuild qfuse models.", stacklevel=2)
-        return
-    register()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -188,3 +188,6 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(QFuseConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(QFuseHfQuantizer)
+
+
+register()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qfuse
+from qfuse.nn import QLinear
 from qfuse.nn.base import QuantizedModule
 from qfuse.nn.siblings import QSibling
 from qfuse.state import get_state
@@ -103,8 +104,29 @@ def test_save_pretrained_from_pretrained_round_trip(tmp_path, name, config_name)
         assert torch.equal(_first(loaded(**x)), _first(qmodel(**x)))
     assert [r["name"] for r in qfuse.summary(loaded).rows] == \
         [r["name"] for r in qfuse.summary(qmodel).rows]
+    loaded.save_pretrained(tmp_path / "again")  # a loaded model saves as it loaded
+    again = auto.from_pretrained(tmp_path / "again", **LOAD_KWARGS.get(name, {}))
+    torch.save(qmodel, tmp_path / "model.pt")  # eager torch.save: a pickled module
+    pickled = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(_first(again(**x)), _first(qmodel(**x)))
+        assert torch.equal(_first(pickled(**x)), _first(qmodel(**x)))
     if name in ("gpt2", "llama"):
         greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
         with torch.no_grad():
             assert torch.equal(loaded.generate(x["input_ids"], **greedy),
                                qmodel.generate(x["input_ids"], **greedy))
+
+
+def test_save_pretrained_refuses_what_it_cannot_describe(tmp_path):
+    qmodel, _ = converted("bert", "int8_dynamic")
+    merged = QLinear.from_float(torch.randn(64, 32), None, x_scale=None, x_zero_point=None)
+    attention = qmodel.encoder.layer[0].attention.self
+    attention.key = QSibling.group(merged, [32, 32])[1]  # its merged GEMM is not in the model
+    with pytest.raises(qfuse.UnsupportedError, match="attention.self.key.*merged GEMM"):
+        qmodel.save_pretrained(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+    del qmodel.__dict__["qfuse_state"]
+    with pytest.raises(qfuse.QFuseError, match="output='model'"):
+        qmodel.save_pretrained(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
