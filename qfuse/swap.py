@@ -113,6 +113,33 @@ def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> s
     return f"not swapped: {type(module).__name__} is not a module type qfuse swaps"
 
 
+def _called(model: nn.Module, chain: Chain, anchor: fx.Node) -> str | None:
+    """Why ``chain``'s module cannot be swapped although its weight is the GEMM's: the captured
+    GEMM did not run in that module's forward, its parent computed it from the module's
+    ``weight`` (``nn.MultiheadAttention`` passes ``out_proj.weight`` to
+    ``F.multi_head_attention_forward``); a swapped module would hand the parent an empty
+    float-facing weight. None when the module's own forward ran it (or the graph does not say)."""
+    stack = anchor.meta.get("nn_module_stack") or {}
+    if not stack or _in_module(anchor, chain.name):
+        return None
+    parent = chain.name.rpartition(".")[0]
+    owner = type(model.get_submodule(parent)).__name__ if parent else type(model).__name__
+    return (f"not swapped: {owner} computes it from {chain.name}.weight in its own forward "
+            "(the module's forward never runs); output='graph' quantizes it")
+
+
+def _off_fast_path(model: nn.Module) -> None:
+    """``nn.TransformerEncoderLayer`` in eval runs one fused aten kernel over its own float
+    weights (``torch._transformer_encoder_layer_fwd``, reading ``linear1.weight`` ...) unless a
+    condition fails; with a swapped ``linear1``/``linear2`` it must run its module-by-module path.
+    ``activation_relu_or_gelu`` only selects that fused kernel (and its nested-tensor path), and
+    0 declines it."""
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and any(
+                isinstance(getattr(module, n, None), QLinear) for n in ("linear1", "linear2")):
+            module.activation_relu_or_gelu = 0
+
+
 def _folded_batchnorms(prepared: fx.GraphModule, state: QFuseState) -> dict[str, str | None]:
     """Conv weight target -> the BatchNorm module folded into it (None if not a module).
 
@@ -320,8 +347,11 @@ def convert_model(
 
     groups = {merged_path(g): g for g in state.merged}
     slots, unswapped = {}, []
+    nodes = {n.name: n for n in prepared.graph.nodes}
     for chain in chains:
         slot = _slot(model, chain, groups.get(chain.name))
+        if slot in ("linear", "conv2d", "conv1d"):
+            slot = _called(model, chain, nodes[chain.anchor]) or slot
         if chain.bias and chain.bias.endswith(_FOLDED_BIAS) and bns.get(chain.weight) is None:
             slot = "not swapped: its folded BatchNorm is not a module the model can drop"
         if slot.startswith("not swapped"):
@@ -335,7 +365,6 @@ def convert_model(
         if c.name in state.hessians
     }
     plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians)
-    nodes = {n.name: n for n in prepared.graph.nodes}
     layers = []
     mlps = _gated_mlps(prepared, swapped, slots)
     whole = {c.name: parent for parent, pair in mlps.items() for c in pair}
@@ -374,6 +403,7 @@ def convert_model(
             layer_notes.append(notes[chain.name])
         layers.append(_record(bare, module, path, None, [], layer_notes))
         float_facing(module)
+    _off_fast_path(model)
     result = copy.copy(state)
     result.stage, result.layers, result.observers, result.hessians = "converted", layers, {}, {}
     result.skipped = unswapped + list(state.skipped)
