@@ -130,3 +130,25 @@ def test_save_pretrained_refuses_what_it_cannot_describe(tmp_path):
     with pytest.raises(qfuse.QFuseError, match="output='model'"):
         qmodel.save_pretrained(tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config_name", CONFIGS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_round_trip_on_cuda(tmp_path, name, config_name):
+    """Saved from CUDA, loaded and moved to CUDA: the same outputs through qfuse's Triton
+    kernels (device_map= would need accelerate, which qfuse does not depend on)."""
+    qmodel, inputs = converted(name, config_name)
+    qmodel.to("cuda")
+    qmodel.save_pretrained(tmp_path)
+    loaded = AUTO[name].from_pretrained(tmp_path, **LOAD_KWARGS.get(name, {})).to("cuda")
+    assert {t.device.type for t in loaded.state_dict().values()} == {"cuda"}
+    kernels = [r["kernel"] for r in qfuse.summary(loaded).rows]
+    assert kernels == [r["kernel"] for r in qfuse.summary(qmodel).rows]
+    x = {k: v.cuda() for k, v in inputs(3).items()}
+    with torch.no_grad():
+        assert torch.equal(_first(loaded(**x)), _first(qmodel(**x)))
+        if name in ("gpt2", "llama"):
+            greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+            assert torch.equal(loaded.generate(x["input_ids"], **greedy),
+                               qmodel.generate(x["input_ids"], **greedy))
