@@ -7,6 +7,7 @@
     print(qfuse.summary(qmodel))
 """
 
+from qfuse import integrations as _integrations
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
 from qfuse.convert import convert
 from qfuse.errors import (
@@ -32,6 +33,8 @@ from qfuse.summary import Summary, summary
 from qfuse.tools.search import SearchResult, SearchSpace, search
 
 __version__ = "0.1.0"
+
+_integrations.install()  # transformers: quant_method "qfuse" (save/from_pretrained)
 
 __all__ = [
     "Backend",

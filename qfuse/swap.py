@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import warnings
 
 import torch
@@ -73,9 +74,14 @@ class SwappedQConv2d(_FloatFacing, QConv2d):
     """``QConv2d`` swapped into a user's model (``weight`` faces the parent as float)."""
 
 
-def _facing(module: nn.Module) -> nn.Module:
+def float_facing(module: nn.Module) -> nn.Module:
+    """Make a ``QLinear`` / ``QConv2d`` face its parent as float (in place)."""
     module.__class__ = SwappedQLinear if isinstance(module, QLinear) else SwappedQConv2d
     return module
+
+
+def is_float_facing(module: nn.Module) -> bool:
+    return isinstance(module, _FloatFacing)
 
 
 def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> str:
@@ -105,6 +111,33 @@ def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> s
     if chain.kind == "conv2d" and isinstance(module, nn.Conv1d):
         return "conv1d"
     return f"not swapped: {type(module).__name__} is not a module type qfuse swaps"
+
+
+def _called(model: nn.Module, chain: Chain, anchor: fx.Node) -> str | None:
+    """Why ``chain``'s module cannot be swapped although its weight is the GEMM's: the captured
+    GEMM did not run in that module's forward, its parent computed it from the module's
+    ``weight`` (``nn.MultiheadAttention`` passes ``out_proj.weight`` to
+    ``F.multi_head_attention_forward``); a swapped module would hand the parent an empty
+    float-facing weight. None when the module's own forward ran it (or the graph does not say)."""
+    stack = anchor.meta.get("nn_module_stack") or {}
+    if not stack or _in_module(anchor, chain.name):
+        return None
+    parent = chain.name.rpartition(".")[0]
+    owner = type(model.get_submodule(parent)).__name__ if parent else type(model).__name__
+    return (f"not swapped: {owner} computes it from {chain.name}.weight in its own forward "
+            "(the module's forward never runs); output='graph' quantizes it")
+
+
+def _off_fast_path(model: nn.Module) -> None:
+    """``nn.TransformerEncoderLayer`` in eval runs one fused aten kernel over its own float
+    weights (``torch._transformer_encoder_layer_fwd``, reading ``linear1.weight`` ...) unless a
+    condition fails; with a swapped ``linear1``/``linear2`` it must run its module-by-module path.
+    ``activation_relu_or_gelu`` only selects that fused kernel (and its nested-tensor path), and
+    0 declines it."""
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and any(
+                isinstance(getattr(module, n, None), QLinear) for n in ("linear1", "linear2")):
+            module.activation_relu_or_gelu = 0
 
 
 def _folded_batchnorms(prepared: fx.GraphModule, state: QFuseState) -> dict[str, str | None]:
@@ -145,11 +178,21 @@ _FLOAT_ATTRS = (
 )
 
 
-def _keep_attrs(float_module: nn.Module, quantized: nn.Module) -> nn.Module:
+def keep_float_attrs(float_module: nn.Module, quantized: nn.Module) -> nn.Module:
+    """Copy what parents read off a layer (``_FLOAT_ATTRS``) from the float module."""
     for attr in _FLOAT_ATTRS:
         if attr in float_module.__dict__ and attr not in quantized.__dict__:
             setattr(quantized, attr, float_module.__dict__[attr])
     return quantized
+
+
+def copy_public_attrs(float_module: nn.Module, swapped: nn.Module) -> nn.Module:
+    """Copy a module swapped whole's public plain attributes (hidden_size, config, ...: what
+    callers read) from the float module it replaces."""
+    for attr, value in vars(float_module).items():
+        if not attr.startswith("_") and attr != "training" and attr not in vars(swapped):
+            setattr(swapped, attr, value)
+    return swapped
 
 
 def _left_to_forward(chain: Chain, model_name: str) -> str:
@@ -221,10 +264,7 @@ def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layer
                     torch.int8 if handoff else float_dtype)
     down_module = build(bare_down, config, plan, None, handoff, float_dtype)
     float_mlp = model.get_submodule(parent)
-    mlp = QGatedMLP(gate_up, down_module)
-    for attr, value in vars(float_mlp).items():  # hidden_size, config, ...: what callers read
-        if not attr.startswith("_") and attr not in ("training",) and attr not in vars(mlp):
-            setattr(mlp, attr, value)
+    mlp = copy_public_attrs(float_mlp, QGatedMLP(gate_up, down_module))
     model.set_submodule(parent, mlp)
     note = (f"gated MLP {parent} swapped whole ({type(float_mlp).__name__} → QGatedMLP): "
             f"gate and up as one GEMM, {ACTIVATION_NAMES[chain.activation]} in its epilogue")
@@ -250,14 +290,14 @@ def _swap_merged(model, chain, bare, module, members, layers):
                 " output='graph' fuses it)")
         for i, (member, float_member) in enumerate(zip(members, float_members, strict=True)):
             part = module.rows(i, None, 2)
-            model.set_submodule(member, _keep_attrs(float_member, part))
+            model.set_submodule(member, keep_float_attrs(float_member, part))
             layers.append(_record(dataclasses.replace(bare, name=member), part, member,
                                   None, [], [note]))
-            _facing(part)
+            float_facing(part)
         return
     siblings = QSibling.group(module, [m.out_features for m in float_members])
     for member, float_member, sibling in zip(members, float_members, siblings, strict=True):
-        model.set_submodule(member, _keep_attrs(float_member, sibling))
+        model.set_submodule(member, keep_float_attrs(float_member, sibling))
         others = ", ".join(m for m in members if m != member)
         note = (f"one GEMM with {others} (merged layer {chain.name}, held by {members[0]}): "
                 f"the first member called on an input runs it, the others take their rows")
@@ -307,8 +347,11 @@ def convert_model(
 
     groups = {merged_path(g): g for g in state.merged}
     slots, unswapped = {}, []
+    nodes = {n.name: n for n in prepared.graph.nodes}
     for chain in chains:
         slot = _slot(model, chain, groups.get(chain.name))
+        if slot in ("linear", "conv2d", "conv1d"):
+            slot = _called(model, chain, nodes[chain.anchor]) or slot
         if chain.bias and chain.bias.endswith(_FOLDED_BIAS) and bns.get(chain.weight) is None:
             slot = "not swapped: its folded BatchNorm is not a module the model can drop"
         if slot.startswith("not swapped"):
@@ -322,7 +365,6 @@ def convert_model(
         if c.name in state.hessians
     }
     plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians)
-    nodes = {n.name: n for n in prepared.graph.nodes}
     layers = []
     mlps = _gated_mlps(prepared, swapped, slots)
     whole = {c.name: parent for parent, pair in mlps.items() for c in pair}
@@ -344,10 +386,10 @@ def convert_model(
         path = chain.name
         float_module = model.get_submodule(chain.name)
         if slots[chain.name] == "conv1d":
-            model.set_submodule(chain.name, _keep_attrs(float_module, QConv1d(module)))
+            model.set_submodule(chain.name, keep_float_attrs(float_module, QConv1d(module)))
             path = f"{chain.name}.conv"
         else:
-            model.set_submodule(chain.name, _keep_attrs(float_module, module))
+            model.set_submodule(chain.name, keep_float_attrs(float_module, module))
         layer_notes = [n for n in (_left_to_forward(chain, type(model).__name__),) if n]
         bn = bns.get(chain.weight)
         if bn is not None:
@@ -360,10 +402,15 @@ def convert_model(
         if chain.name in notes:
             layer_notes.append(notes[chain.name])
         layers.append(_record(bare, module, path, None, [], layer_notes))
-        _facing(module)
+        float_facing(module)
+    _off_fast_path(model)
     result = copy.copy(state)
     result.stage, result.layers, result.observers, result.hessians = "converted", layers, {}, {}
     result.skipped = unswapped + list(state.skipped)
     result.source = None
     set_state(model, result)
+    if "transformers.modeling_utils" in sys.modules:  # a PreTrainedModel saves through qfuse
+        from qfuse.integrations.transformers import attach
+
+        attach(model)
     return model

@@ -14,12 +14,13 @@ or use ``export_program`` for dynamic shapes. The trace also bakes in the device
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from qfuse.errors import CaptureError
 from qfuse.export.checks import converted_state, normalize_inputs, same_outputs
@@ -58,7 +59,8 @@ def export_torchscript(
         args, kwargs = _positional(qmodel, args, kwargs), {}
     with torch.no_grad():
         expected = qmodel(*args, **kwargs)
-        traced = _trace(qmodel, args, kwargs)
+        with _unshared(qmodel):
+            traced = _trace(qmodel, args, kwargs)
         actual = traced(*args, **kwargs)
     if not same_outputs(expected, actual):
         raise CaptureError(
@@ -68,6 +70,31 @@ def export_torchscript(
     with atomic_path(path) as tmp:
         torch.jit.save(traced, tmp)
     return traced
+
+
+@contextlib.contextmanager
+def _unshared(model: nn.Module):
+    """While tracing, give every module slot that holds a tensor already held elsewhere its own
+    copy: TorchScript refuses a tensor registered twice ("parameter sharing between modules"),
+    and a dynamic layer's ``scale`` is its ``weight_scale``. The model is restored afterwards;
+    the trace keeps the copies."""
+    seen, swapped = set(), []
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, tensor in slots.items():
+                if tensor is None:
+                    continue
+                if id(tensor) in seen:
+                    swapped.append((slots, name, tensor))
+                    copy = tensor.detach().clone()
+                    slots[name] = nn.Parameter(copy, tensor.requires_grad) \
+                        if isinstance(tensor, nn.Parameter) else copy
+                seen.add(id(tensor))
+    try:
+        yield
+    finally:
+        for slots, name, tensor in swapped:
+            slots[name] = tensor
 
 
 def _trace(qmodel, args: tuple, kwargs: dict) -> torch.jit.ScriptModule:

@@ -105,3 +105,18 @@ def test_refuses_a_model_that_is_not_converted(tmp_path):
     prepared = qfuse.prepare(nn.Sequential(nn.Linear(8, 4)), qfuse.QConfig.int8_static(), (x,))
     with pytest.raises(qfuse.QFuseError, match="export_torchscript expects .*qfuse.convert"):
         qfuse.export_torchscript(prepared, (x,), tmp_path / "m.ts")
+
+
+@pytest.mark.parametrize("config", [qfuse.QConfig.int8_dynamic(), qfuse.QConfig.fp8_dynamic()],
+                         ids=["int8_dynamic", "fp8_dynamic"])
+@pytest.mark.parametrize("name", ["mlp", "embed"])
+def test_dynamic_models_trace_though_their_scales_are_shared(make_case, tmp_path, name, config):
+    case = make_case(name, config)
+    shared = {n: id(t) for n, t in case.qmodel.named_buffers(remove_duplicate=False)}
+    assert len(set(shared.values())) < len(shared)  # a dynamic layer's scale is its weight_scale
+    path = tmp_path / "m.ts"
+    qfuse.export_torchscript(case.qmodel, case.args, path)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.load(path)(*case.args), case.qmodel(*case.args))
+    # the model is left as it was: its tensors are shared again after the trace
+    assert shared == {n: id(t) for n, t in case.qmodel.named_buffers(remove_duplicate=False)}
