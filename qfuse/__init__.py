@@ -7,6 +7,7 @@
     print(qfuse.summary(qmodel))
 """
 
+from qfuse.calibrate import calibrate_sequential
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
 from qfuse.convert import convert
 from qfuse.errors import (
@@ -57,6 +58,7 @@ __all__ = [
     "Summary",
     "UnsupportedError",
     "auto_fallback",
+    "calibrate_sequential",
     "convert",
     "prepare",
     "prepare_qat",

@@ -1,0 +1,129 @@
+"""Sequential (block by block) calibration equals whole-model calibration bit for bit on the CPU:
+observer statistics, Hessians, scales and GPTQ weights; and it resumes from its checkpoints."""
+
+import copy
+
+import pytest
+import torch
+
+import qfuse
+from qfuse.calibrate import sequential
+from qfuse.calibrate.stages import find_blocks, split_stages
+from qfuse.errors import FormatError, UnsupportedError
+from qfuse.observers.base import Recorder
+from qfuse.state import get_state
+from tests.zoo_models import build
+
+
+def _batches(make, n=3):
+    return [make(batch=2, seq=12, seed=s) for s in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A prepared 2-layer Llama (GPTQ on, histogram observers: the most state), its batches, and
+    the whole-model calibration of a copy."""
+    torch.manual_seed(0)
+    model, make, _ = build("llama")
+    config = qfuse.QConfig(observer="histogram_mse", symmetric=False)
+    prepared = qfuse.prepare(model, config, (), example_kwargs=make(), gptq=qfuse.GPTQ())
+    batches = _batches(make)
+    whole = copy.deepcopy(prepared)
+    with torch.no_grad():
+        for b in batches:
+            whole(**b)
+    return prepared, batches, whole
+
+
+def _recorders(gm) -> dict:
+    return {
+        f"{name}.{k}": v.clone()
+        for name, m in gm.named_modules()
+        if isinstance(m, Recorder)
+        for k, v in m.state_dict().items()
+    }
+
+
+def _converted(gm) -> dict:
+    return {k: v.clone() for k, v in qfuse.convert(gm).state_dict().items()}
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_stages_are_prefix_layers_tail(llama):
+    prepared = llama[0]
+    assert find_blocks(prepared) == "model.layers"
+    stages = split_stages(prepared, get_state(prepared).chains)
+    assert [s.name for s in stages] == ["prefix", "model.layers.0", "model.layers.1", "tail"]
+    # Q/K/V merged, O, gate/up merged, down in each layer; lm_head in the tail
+    assert [len(s.chains) for s in stages] == [0, 4, 4, 1]
+    # layer 1 reads what layer 0 (its residual stream) and the prefix (rotary tables) wrote
+    written = set(stages[0].outputs) | set(stages[1].outputs)
+    assert set(stages[2].inputs) <= written
+    assert set(stages[2].inputs) & set(stages[1].outputs)
+
+
+def test_sequential_equals_whole_model_bit_for_bit(llama, monkeypatch):
+    prepared, batches, whole = llama
+    seq = qfuse.calibrate_sequential(copy.deepcopy(prepared), batches, device="cpu")
+    _assert_equal(_recorders(seq), _recorders(whole))
+    # convert takes the GPTQ results the blocks cached: it never rounds again
+    want = _converted(whole)
+
+    def no_rounding(*args, **kwargs):
+        raise AssertionError("convert re-ran GPTQ instead of taking the cached result")
+
+    monkeypatch.setattr("qfuse.gptq.gptq_round", no_rounding)
+    got = _converted(seq)
+    _assert_equal(got, want)
+    assert sum(k.endswith("weight_scale") for k in want) >= 9
+
+
+def test_resume_after_an_interruption(llama, tmp_path, monkeypatch):
+    prepared, batches, whole = llama
+    rounded = []
+    real = sequential._round_stage
+
+    def interrupted(prepared, state, stage, group):
+        if stage.name == "model.layers.1":
+            raise KeyboardInterrupt
+        rounded.append(stage.name)
+        return real(prepared, state, stage, group)
+
+    monkeypatch.setattr(sequential, "_round_stage", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        qfuse.calibrate_sequential(
+            copy.deepcopy(prepared), batches, device="cpu", checkpoint_dir=str(tmp_path)
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "manifest.json",
+        "stage-000.pt",
+        "stage-001.pt",
+    ]
+
+    def counting(prepared, state, stage, group):
+        rounded.append(stage.name)
+        return real(prepared, state, stage, group)
+
+    monkeypatch.setattr(sequential, "_round_stage", counting)
+    resumed = qfuse.calibrate_sequential(
+        copy.deepcopy(prepared), batches, device="cpu", checkpoint_dir=str(tmp_path)
+    )
+    assert rounded == ["prefix", "model.layers.0", "model.layers.1", "tail"]  # 0 not redone
+    monkeypatch.setattr(sequential, "_round_stage", real)
+    _assert_equal(_converted(resumed), _converted(whole))
+    with pytest.raises(FormatError, match="batches"):  # another run in the same directory
+        qfuse.calibrate_sequential(
+            copy.deepcopy(prepared), batches[:2], device="cpu", checkpoint_dir=str(tmp_path)
+        )
+
+
+def test_unknown_blocks_name_the_containers(llama):
+    with pytest.raises(UnsupportedError, match=r"blocks='model.decoder'.*model.layers"):
+        qfuse.calibrate_sequential(
+            copy.deepcopy(llama[0]), llama[1], device="cpu", blocks="model.decoder"
+        )
