@@ -12,22 +12,12 @@ from qfuse.calibrate.stages import find_blocks, split_stages
 from qfuse.errors import FormatError, UnsupportedError
 from qfuse.observers.base import Recorder
 from qfuse.state import get_state
-from tests.zoo_models import build
-
-
-def _batches(make, n=3):
-    return [make(batch=2, seq=12, seed=s) for s in range(n)]
 
 
 @pytest.fixture(scope="module")
-def llama():
-    """A prepared 2-layer Llama (GPTQ on, histogram observers: the most state), its batches, and
-    the whole-model calibration of a copy."""
-    torch.manual_seed(0)
-    model, make, _ = build("llama")
-    config = qfuse.QConfig(observer="histogram_mse", symmetric=False)
-    prepared = qfuse.prepare(model, config, (), example_kwargs=make(), gptq=qfuse.GPTQ())
-    batches = _batches(make)
+def calibrated(llama):
+    """The prepared Llama, its batches, and a copy calibrated whole (``prepared(batch)``)."""
+    prepared, batches = llama
     whole = copy.deepcopy(prepared)
     with torch.no_grad():
         for b in batches:
@@ -54,8 +44,8 @@ def _assert_equal(got: dict, want: dict) -> None:
         assert torch.equal(got[key], value), key
 
 
-def test_stages_are_prefix_layers_tail(llama):
-    prepared = llama[0]
+def test_stages_are_prefix_layers_tail(calibrated):
+    prepared = calibrated[0]
     assert find_blocks(prepared) == "model.layers"
     stages = split_stages(prepared, get_state(prepared).chains)
     assert [s.name for s in stages] == ["prefix", "model.layers.0", "model.layers.1", "tail"]
@@ -67,8 +57,8 @@ def test_stages_are_prefix_layers_tail(llama):
     assert set(stages[2].inputs) & set(stages[1].outputs)
 
 
-def test_sequential_equals_whole_model_bit_for_bit(llama, monkeypatch):
-    prepared, batches, whole = llama
+def test_sequential_equals_whole_model_bit_for_bit(calibrated, monkeypatch):
+    prepared, batches, whole = calibrated
     seq = qfuse.calibrate_sequential(copy.deepcopy(prepared), batches, device="cpu")
     _assert_equal(_recorders(seq), _recorders(whole))
     # convert takes the GPTQ results the blocks cached: it never rounds again
@@ -83,8 +73,8 @@ def test_sequential_equals_whole_model_bit_for_bit(llama, monkeypatch):
     assert sum(k.endswith("weight_scale") for k in want) >= 9
 
 
-def test_resume_after_an_interruption(llama, tmp_path, monkeypatch):
-    prepared, batches, whole = llama
+def test_resume_after_an_interruption(calibrated, tmp_path, monkeypatch):
+    prepared, batches, whole = calibrated
     rounded = []
     real = sequential._round_stage
 
@@ -122,8 +112,8 @@ def test_resume_after_an_interruption(llama, tmp_path, monkeypatch):
         )
 
 
-def test_unknown_blocks_name_the_containers(llama):
+def test_unknown_blocks_name_the_containers(calibrated):
     with pytest.raises(UnsupportedError, match=r"blocks='model.decoder'.*model.layers"):
         qfuse.calibrate_sequential(
-            copy.deepcopy(llama[0]), llama[1], device="cpu", blocks="model.decoder"
+            copy.deepcopy(calibrated[0]), calibrated[1], device="cpu", blocks="model.decoder"
         )
