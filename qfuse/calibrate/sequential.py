@@ -107,32 +107,38 @@ def _prune(cache: list[dict], later: list[Stage]) -> None:
             del env[name]
 
 
-def _round_stage(prepared, state, stage: Stage, group) -> int:
-    """GPTQ for the stage's layers: rounded on ``device`` by the owning rank, cached on every
-    rank where convert looks (``qfuse.gptq.round_layer``). Returns how many were rounded.
+def round_chains(prepared: fx.GraphModule, chains, group=None) -> int:
+    """GPTQ for ``chains`` of a calibrated ``prepared`` where their weights are now (the
+    device), each rounded by one rank (``distributed.assign``) and cached on every rank where
+    ``qfuse.convert`` looks for it (``qfuse.gptq.round_layer``). Returns how many were rounded.
 
-    SmoothQuant's layers are left to convert, which scales their weights first."""
+    Rounds with the config's dtype; SmoothQuant's layers are left to convert, which scales their
+    weights first (so does a ``layer_dtypes`` override: convert rounds again for it)."""
+    state = get_state(prepared)
     if state.gptq is None:
         return 0
     per_channel = isinstance(state.config.weight_granularity, PerChannel)
     dtype = state.config.dtype
-    jobs = [c for c in stage.chains if c.name in state.hessians and c.name not in state.smoothed]
+    jobs = [c for c in chains if c.name in state.hessians and c.name not in state.smoothed]
     weights = [attr_tensor(prepared, c.weight).detach().float() for c in jobs]
-    owners = assign([float(w[0].numel()) ** 2 * w.shape[0] for w in weights], world_size(group))
+    costs = [float(w[0].numel()) ** 2 * w.shape[0] for w in weights]  # K^2 N
+    owners = assign(costs, world_size(group))
     me = rank(group)
     for chain, weight, owner in zip(jobs, weights, owners, strict=True):
         recorder = prepared.get_submodule(state.hessians[chain.name])
         scale = weight_scale(weight, dtype, per_channel)
-        q = (
-            round_layer(recorder, chain.name, weight, scale, dtype, state.gptq)
-            if owner == me
-            else None
-        )
+        q = None
+        if owner == me:
+            q = round_layer(recorder, chain.name, weight, scale, dtype, state.gptq)
         if world_size(group) > 1:
             q = share(q, weight.shape, owner, weight.device, group)
             if owner != me:
                 remember(recorder, chain.name, weight, scale, dtype, state.gptq, q)
     return len(jobs)
+
+
+def _round_stage(prepared, stage: Stage, group) -> int:
+    return round_chains(prepared, stage.chains, group)
 
 
 def calibrate_sequential(
@@ -214,7 +220,7 @@ def calibrate_sequential(
             else:
                 _run(stage, cache, device, offload, stage.name, quiet)
                 sync_recorders(placed.recorders, group)
-                _round_stage(prepared, state, stage, group)
+                _round_stage(prepared, stage, group)
                 if writer:
                     checkpoint.save_stage(checkpoint_dir, i, recorders, save_hessians)
         _prune(cache, stages[i + 1 :])

@@ -78,11 +78,11 @@ def test_resume_after_an_interruption(calibrated, tmp_path, monkeypatch):
     rounded = []
     real = sequential._round_stage
 
-    def interrupted(prepared, state, stage, group):
+    def interrupted(prepared, stage, group):
         if stage.name == "model.layers.1":
             raise KeyboardInterrupt
         rounded.append(stage.name)
-        return real(prepared, state, stage, group)
+        return real(prepared, stage, group)
 
     monkeypatch.setattr(sequential, "_round_stage", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -95,9 +95,9 @@ def test_resume_after_an_interruption(calibrated, tmp_path, monkeypatch):
         "stage-001.pt",
     ]
 
-    def counting(prepared, state, stage, group):
+    def counting(prepared, stage, group):
         rounded.append(stage.name)
-        return real(prepared, state, stage, group)
+        return real(prepared, stage, group)
 
     monkeypatch.setattr(sequential, "_round_stage", counting)
     resumed = qfuse.calibrate_sequential(
