@@ -8,9 +8,10 @@ from the values the stages before it computed (kept on ``device``, or on the CPU
 ranks), checkpoints, and goes back to the CPU. Peak GPU memory is one block plus the cached
 activations of the batches, not the model.
 
-Outputs are the float outputs (llm-compressor's default): a block's observers see exactly the
-values a whole-model calibration shows them, so the scales, the Hessians and the GPTQ weights
-are those of ``prepared(batch)`` over the same batches, bit for bit on one device.
+By default the next block reads the float outputs (llm-compressor's default): a block's observers
+see exactly the values a whole-model calibration shows them, so the scales, the Hessians and the
+GPTQ weights are those of ``prepared(batch)`` over the same batches, bit for bit on one device.
+``outputs="quantized"`` feeds it the outputs of the block as quantized (``quantized.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from torch.fx import _pytree as fx_pytree
 
 from qfuse.calibrate import checkpoint
 from qfuse.calibrate.distributed import assign, rank, share, sync_recorders
+from qfuse.calibrate.quantized import quantized_twin
 from qfuse.calibrate.stages import Stage, split_stages
 from qfuse.config import PerChannel
-from qfuse.errors import CalibrationError, QFuseError
+from qfuse.errors import CalibrationError, QFuseError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.gptq import remember, round_layer
 from qfuse.observers.base import observers_disabled
@@ -89,13 +91,13 @@ class _OnDevice:
             r.to(home)
 
 
-def _run(stage: Stage, cache: list[dict], device, offload: bool, desc: str, quiet: bool) -> None:
-    """Run every batch through the stage, replacing what it reads in the cache by what it
-    writes for the stages after it."""
+def _run(module, stage: Stage, cache: list[dict], device, offload: bool, desc: str, quiet: bool):
+    """Run every batch through ``module`` (the stage's, or its quantized twin), replacing what
+    it reads in the cache by what it writes for the stages after it."""
     store = torch.device("cpu") if offload else device
     with torch.no_grad():
         for env in _progress(cache, desc, quiet):
-            out = stage.module(*(_to(env[name], device) for name in stage.inputs))
+            out = module(*(_to(env[name], device) for name in stage.inputs))
             for name, value in zip(stage.outputs, out, strict=True):
                 env[name] = _to(value, store)
 
@@ -147,6 +149,7 @@ def calibrate_sequential(
     *,
     device: str | torch.device | None = None,
     blocks: str | None = None,
+    outputs: str = "float",
     checkpoint_dir: str | None = None,
     save_hessians: bool = False,
     offload: bool = False,
@@ -168,6 +171,11 @@ def calibrate_sequential(
         device: where blocks run (default: CUDA if available, else CPU).
         blocks: module path of the repeated blocks (``"model.layers"``); default: the longest
             run of numbered submodules (``stages.find_blocks``).
+        outputs: what the next block is calibrated on. ``"float"``: the block's float outputs
+            (llm-compressor's default; equal to whole-model calibration). ``"quantized"``: its
+            outputs with its inputs fake-quantized and its weights quantized (GPTQ's, else
+            round to nearest), as the converted model will feed the next block (GPTQ's paper,
+            AutoGPTQ); see ``quantized.py``.
         checkpoint_dir: after each stage, its statistics and GPTQ results are written here; a
             rerun with the same arguments skips the stages found there (it recomputes their
             outputs, with recorders off) and continues.
@@ -198,6 +206,8 @@ def calibrate_sequential(
             "qfuse.calibrate_sequential expects the model returned by qfuse.prepare; got "
             f"{type(prepared).__name__}" + (" that is already converted." if state else ".")
         )
+    if outputs not in ("float", "quantized"):
+        raise UnsupportedError(f"outputs={outputs!r}: use 'float' or 'quantized'.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     stages = split_stages(prepared, state.chains, blocks)
     cache = [dict(zip(stages[0].inputs, _flat_inputs(prepared, b), strict=True)) for b in batches]
@@ -215,14 +225,26 @@ def calibrate_sequential(
             recorders = dict(zip(stage.recorders, placed.recorders, strict=True))
             if i < done:
                 checkpoint.load_stage(checkpoint_dir, i, recorders)
-                with observers_disabled(stage.module):
-                    _run(stage, cache, device, offload, f"{stage.name} (done)", quiet)
+                if outputs == "float":
+                    with observers_disabled(stage.module):
+                        _run(
+                            stage.module,
+                            stage,
+                            cache,
+                            device,
+                            offload,
+                            f"{stage.name} (done)",
+                            quiet,
+                        )
             else:
-                _run(stage, cache, device, offload, stage.name, quiet)
+                _run(stage.module, stage, cache, device, offload, stage.name, quiet)
                 sync_recorders(placed.recorders, group)
                 _round_stage(prepared, stage, group)
                 if writer:
                     checkpoint.save_stage(checkpoint_dir, i, recorders, save_hessians)
+            if outputs == "quantized" and stage.chains:
+                twin = quantized_twin(prepared, stage)
+                _run(twin, stage, cache, device, offload, f"{stage.name} (quantized)", quiet)
         _prune(cache, stages[i + 1 :])
     if checkpoint_dir is not None and world_size(group) > 1:
         torch.distributed.barrier(group)

@@ -117,3 +117,28 @@ def test_unknown_blocks_name_the_containers(calibrated):
         qfuse.calibrate_sequential(
             copy.deepcopy(calibrated[0]), calibrated[1], device="cpu", blocks="model.decoder"
         )
+
+
+def test_quantized_outputs_feed_the_next_block_what_it_will_see(calibrated):
+    prepared, batches, whole = calibrated
+    seq = qfuse.calibrate_sequential(
+        copy.deepcopy(prepared), batches, device="cpu", outputs="quantized"
+    )
+    got, want = _recorders(seq), _recorders(whole)
+    stages = split_stages(prepared, get_state(prepared).chains)
+    layer0 = tuple(f"{r}." for r in stages[1].recorders)  # layer 0 reads float inputs
+    first = [k for k in want if k.startswith(layer0)]
+    later = [k for k in want if k.endswith("max_val") and not k.startswith(layer0)]
+    assert first and later
+    for key in first:
+        assert torch.equal(got[key], want[key]), key
+    # later blocks read the quantized blocks' outputs: other ranges, close to the float ones
+    assert any(not torch.equal(got[k], want[k]) for k in later)
+    for key in later:
+        torch.testing.assert_close(got[key], want[key], rtol=0.25, atol=0.05)
+    qfuse.convert(seq)
+
+
+def test_outputs_must_be_float_or_quantized(calibrated):
+    with pytest.raises(UnsupportedError, match="outputs='int8'"):
+        qfuse.calibrate_sequential(copy.deepcopy(calibrated[0]), calibrated[1], outputs="int8")
