@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
 
 from qfuse.calibrate import checkpoint
 from qfuse.calibrate.distributed import assign, rank, share, sync_recorders
@@ -53,7 +54,10 @@ def _flat_inputs(prepared: fx.GraphModule, batch) -> list:
     else:
         args, kwargs = (batch,), {}
     try:
-        return list(fx_pytree.tree_flatten_spec((args, kwargs), prepared._in_spec))
+        flat = list(fx_pytree.tree_flatten_spec((args, kwargs), prepared._in_spec))
+        if len(flat) != len(pytree.tree_leaves((args, kwargs))):  # e.g. an extra keyword
+            raise ValueError(f"{sorted(kwargs)} holds inputs the prepared graph does not take")
+        return flat
     except Exception as exc:  # pytree raises several types for a mismatched structure
         raise CalibrationError(
             f"a calibration batch does not match the inputs the model was prepared with ({exc}). "

@@ -9,7 +9,7 @@ import torch
 import qfuse
 from qfuse.calibrate import sequential
 from qfuse.calibrate.stages import find_blocks, split_stages
-from qfuse.errors import FormatError, UnsupportedError
+from qfuse.errors import CalibrationError, FormatError, UnsupportedError
 from qfuse.observers.base import Recorder
 from qfuse.state import get_state
 
@@ -142,3 +142,26 @@ def test_quantized_outputs_feed_the_next_block_what_it_will_see(calibrated):
 def test_outputs_must_be_float_or_quantized(calibrated):
     with pytest.raises(UnsupportedError, match="outputs='int8'"):
         qfuse.calibrate_sequential(copy.deepcopy(calibrated[0]), calibrated[1], outputs="int8")
+
+
+def test_a_batch_with_other_inputs_is_an_error(calibrated):
+    prepared, batches, _ = calibrated
+    extra = {**batches[0], "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    with pytest.raises(CalibrationError, match="does not match the inputs"):
+        qfuse.calibrate_sequential(copy.deepcopy(prepared), [extra], device="cpu")
+
+
+def test_a_model_without_repeated_blocks_is_an_error():
+    x = torch.randn(2, 4)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    prepared = qfuse.prepare(Wrapper().eval(), qfuse.QConfig.int8_static(), (x,))
+    with pytest.raises(UnsupportedError, match="no repeated blocks"):
+        qfuse.calibrate_sequential(prepared, [x], device="cpu")
