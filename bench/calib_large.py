@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import qfuse
 from qfuse.calibrate import calibrate_sequential, round_chains
+from qfuse.capture import inline_grad_wrappers
 from qfuse.state import get_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +107,7 @@ def run_at_once(prepared, data, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
+    inline_grad_wrappers(prepared)  # as calibrate_sequential: torch 2.11's no_grad subgraphs
     prepared.to(device)
     with torch.no_grad():
         for b in data:

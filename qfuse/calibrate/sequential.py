@@ -28,6 +28,7 @@ from qfuse.calibrate import checkpoint
 from qfuse.calibrate.distributed import assign, rank, share, sync_recorders
 from qfuse.calibrate.quantized import quantized_twin
 from qfuse.calibrate.stages import Stage, split_stages
+from qfuse.capture import inline_grad_wrappers
 from qfuse.config import PerChannel
 from qfuse.errors import CalibrationError, QFuseError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
@@ -75,7 +76,9 @@ class _OnDevice:
     their original CPU storage back: calibration does not change them)."""
 
     def __init__(self, prepared, stage: Stage, device) -> None:
-        self.params = {t: attr_tensor(prepared, t) for t in dict.fromkeys(stage.params)}
+        # get_attr also names submodules (torch 2.11 export's no_grad subgraphs): tensors only
+        attrs = {t: attr_tensor(prepared, t) for t in dict.fromkeys(stage.params)}
+        self.params = {t: v for t, v in attrs.items() if isinstance(v, torch.Tensor)}
         self.recorders = [prepared.get_submodule(t) for t in stage.recorders]
         self.home = {t: p.data for t, p in self.params.items()}
         self.rec_home = [r.num_batches.device for r in self.recorders]
@@ -213,6 +216,9 @@ def calibrate_sequential(
     if outputs not in ("float", "quantized"):
         raise UnsupportedError(f"outputs={outputs!r}: use 'float' or 'quantized'.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # torch 2.11's export wraps no_grad blocks (Llama's rotary tables) in subgraphs whose device
+    # constants stay the capture device's: inline them so the blocks run on ``device``.
+    inline_grad_wrappers(prepared)
     stages = split_stages(prepared, state.chains, blocks)
     cache = [dict(zip(stages[0].inputs, _flat_inputs(prepared, b), strict=True)) for b in batches]
     if not cache:
