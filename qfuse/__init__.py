@@ -8,6 +8,7 @@
 """
 
 from qfuse import integrations as _integrations
+from qfuse.calibrate import calibrate_sequential
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
 from qfuse.convert import convert
 from qfuse.errors import (
@@ -60,6 +61,7 @@ __all__ = [
     "Summary",
     "UnsupportedError",
     "auto_fallback",
+    "calibrate_sequential",
     "convert",
     "prepare",
     "prepare_qat",

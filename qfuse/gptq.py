@@ -176,20 +176,72 @@ def round_layer(
     layer sees ``x / s`` (SmoothQuant), so its Hessian is ``H / (s s^T)``.
 
     Results are cached on the recorder until new calibration data arrives: auto_fallback and
-    sensitivity convert the same prepared model many times."""
+    sensitivity convert the same prepared model many times, and sequential calibration
+    (``qfuse.calibrate``) rounds each block on the GPU before convert asks again."""
     recorder.check_calibrated()
     key = (name, dtype, cfg)
     hit = recorder.solved.get(key)
-    if hit is not None and all(
-        a.shape == b.shape and torch.equal(a, b)
-        for a, b in zip(hit[:2], (weight, scale), strict=True)
-    ):
-        return hit[2]
+    if hit is not None and hit.matches(weight, scale):
+        return hit.result().to(weight.device)
     h = recorder.hessian
     if input_scale is not None:
         inv = torch.reciprocal(input_scale.to(h.device, torch.float32))
         h = h * inv[:, None] * inv[None, :]
     flat = weight.reshape(weight.shape[0], -1)
     q = gptq_round(flat, h, scale, dtype, cfg, layer=name).reshape(weight.shape)
-    recorder.solved[key] = (weight.clone(), scale.clone(), q)
+    remember(recorder, name, weight, scale, dtype, cfg, q)
     return q
+
+
+def remember(recorder, name, weight, scale, dtype, cfg: GPTQ, q: torch.Tensor) -> None:
+    """Cache ``q`` as chain ``name``'s GPTQ result on ``recorder`` (as ``round_layer`` does): for
+    a result computed elsewhere, e.g. by another rank (``qfuse.calibrate``)."""
+    recorder.solved[(name, dtype, cfg)] = Solved.of(weight, scale, q, dtype)
+
+
+def _narrowest_exact(w: torch.Tensor) -> torch.Tensor:
+    """``w`` in the narrowest float dtype that holds it exactly (a bf16 model's weights: bf16)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = w.to(dtype)
+        if torch.equal(narrow.to(w.dtype), w):
+            return narrow
+    return w.clone()
+
+
+@dataclass
+class Solved:
+    """One cached GPTQ result, on the CPU and compact: the weight it rounded (to recognise the
+    same request) and the grid codes, from which ``codes * scale`` rebuilds the result bit for
+    bit (checked when stored; the float result is kept where it would not be)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    codes: torch.Tensor  # int8 / float8 codes, or the float32 result itself
+    exact_codes: bool
+
+    @classmethod
+    def of(cls, weight, scale, q, dtype) -> Solved:
+        flat = q.reshape(q.shape[0], -1)
+        scale32 = scale.to(q.device, torch.float32)
+        codes = weight_codes(flat, torch.reciprocal(scale32)[:, None], dtype)
+        exact = torch.equal(codes * scale32[:, None], flat)
+        store = codes.to(torch.int8 if dtype == torch.int8 else dtype) if exact else q
+        return cls(
+            _narrowest_exact(weight.detach().cpu()),
+            scale.detach().cpu().clone(),
+            store.reshape(q.shape).cpu(),
+            exact,
+        )
+
+    def matches(self, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+        if weight.shape != self.weight.shape or scale.shape != self.scale.shape:
+            return False
+        w = self.weight.to(weight.device, weight.dtype)
+        return torch.equal(w, weight) and torch.equal(self.scale.to(scale.device), scale)
+
+    def result(self) -> torch.Tensor:
+        """The GPTQ-rounded float32 weight."""
+        if not self.exact_codes:
+            return self.codes
+        flat = self.codes.reshape(self.codes.shape[0], -1).float()
+        return (flat * self.scale[:, None]).reshape(self.codes.shape)

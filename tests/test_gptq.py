@@ -153,7 +153,7 @@ def test_round_layer_caches_and_applies_the_smoothing_factors(monkeypatch):
     assert (q == direct).float().mean() > 0.99  # H / (s s^T) vs E[(x/s)(x/s)^T]: rounding only
     calls = []
     monkeypatch.setattr("qfuse.gptq.gptq_round", lambda w, *a, **k: calls.append(1) or w)
-    assert round_layer(rec, "fc", ws, scale, torch.int8, GPTQ(), s_in) is q
+    assert torch.equal(round_layer(rec, "fc", ws, scale, torch.int8, GPTQ(), s_in), q)
     assert calls == []
     rec(x)  # new calibration data: solve again
     round_layer(rec, "fc", ws, scale, torch.int8, GPTQ(), s_in)

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from qfuse.errors import CalibrationError
+from qfuse.errors import CalibrationError, UnsupportedError
 from qfuse.primitives import INT8_MAX, INT8_MIN, choose_qparams
 
 
-class Recorder(nn.Module):
+class Recorder(nn.Module, metaclass=abc.ABCMeta):
     """An identity module that records statistics of what passes through it during calibration.
 
     ``enabled`` off makes it a pure identity (evaluating a prepared model must not calibrate).
@@ -42,6 +42,52 @@ class Recorder(nn.Module):
                 "calibration again; a non-finite range would give a meaningless scale."
             )
 
+    # Merging ------------------------------------------------------------------------------------
+    def merge(self, other: Recorder) -> Recorder:
+        """Fold ``other``'s statistics into this recorder, in place, as if ``other``'s batches had
+        come after this one's; returns ``self``. Both must watch the same thing with the same
+        settings. A side that saw no data changes nothing (the other side's state is taken).
+        ``qfuse.observers.distributed.sync`` merges one recorder across ``torch.distributed``
+        ranks, in rank order, with this method.
+        """
+        if type(other) is not type(self) or self._merge_key() != other._merge_key():
+            raise UnsupportedError(
+                f"{self.layer_name}: cannot merge {type(other).__name__}({other._merge_key()}) "
+                f"into {type(self).__name__}({self._merge_key()}); merge observers of one kind "
+                "and one configuration (the same prepared model on every process)."
+            )
+        if int(other.num_batches) == 0:
+            return self
+        if int(self.num_batches) == 0:
+            for name, buf in other._buffers.items():
+                if buf is not None:
+                    self._buffers[name] = buf.detach().clone().to(self._device())
+            self._after_merge()
+            return self
+        self._check_mergeable(other)
+        self._merge_stats(other)
+        self.num_batches += other.num_batches.to(self.num_batches.device)
+        self._after_merge()
+        return self
+
+    def _device(self) -> torch.device:
+        return self.num_batches.device
+
+    def _merge_key(self) -> tuple:
+        """The settings two recorders must share to be merged."""
+        return ()
+
+    def _check_mergeable(self, other: Recorder) -> None:
+        """Raise if ``other``'s statistics have another layout (both saw data)."""
+
+    @abc.abstractmethod
+    def _merge_stats(self, other: Recorder) -> None:
+        """Fold ``other``'s statistics (both non-empty) into this recorder's, except the batch
+        count, which ``merge`` adds."""
+
+    def _after_merge(self) -> None:
+        """Hook for caches that new statistics invalidate."""
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for name, buf in self._buffers.items():
             incoming = state_dict.get(prefix + name)
@@ -52,7 +98,7 @@ class Recorder(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class Observer(Recorder, metaclass=abc.ABCMeta):
+class Observer(Recorder):
     """Base class. Subclasses implement ``observe(x)`` and ``value_range()``.
 
     Args:
@@ -97,6 +143,16 @@ class Observer(Recorder, metaclass=abc.ABCMeta):
                 f"{self.layer_name}: a calibration batch has {channels} channels along axis "
                 f"{self.channel_axis}, earlier ones had {int(self.num_channels)}. Feed batches "
                 "of the same layout (per-channel ranges cannot be merged across layouts)."
+            )
+
+    def _merge_key(self) -> tuple:
+        return (self.symmetric, self.qmin, self.qmax, self.channel_axis)
+
+    def _check_mergeable(self, other: Recorder) -> None:
+        if self.channel_axis is not None and int(self.num_channels) != int(other.num_channels):
+            raise CalibrationError(
+                f"{self.layer_name}: cannot merge {int(other.num_channels)} channels into "
+                f"{int(self.num_channels)}: every process must calibrate batches of one layout."
             )
 
     @abc.abstractmethod

@@ -70,6 +70,29 @@ class InputHessian(Recorder):
         self.solved.clear()
         return x
 
+    def _merge_key(self) -> tuple:
+        return (self.conv,)
+
+    def _check_mergeable(self, other: InputHessian) -> None:
+        if other.hessian.shape != self.hessian.shape:
+            raise CalibrationError(
+                f"{self.layer_name}: cannot merge a {tuple(other.hessian.shape)} input Hessian "
+                f"into a {tuple(self.hessian.shape)} one: every process must calibrate the same "
+                "model."
+            )
+
+    def _merge_stats(self, other: InputHessian) -> None:
+        """The row-weighted mean ``(n_a H_a + n_b H_b) / (n_a + n_b)``: one running mean over
+        both sides' rows, up to float32 rounding."""
+        n, m = int(self.num_rows), int(other.num_rows)
+        self.hessian.mul_(n / (n + m)).add_(
+            other.hessian.to(self.hessian.device), alpha=m / (n + m)
+        )
+        self.num_rows += m
+
+    def _after_merge(self) -> None:
+        self.solved.clear()
+
     def check_calibrated(self) -> None:
         if int(self.num_rows) == 0:
             raise CalibrationError(

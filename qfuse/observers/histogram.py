@@ -127,6 +127,26 @@ class HistogramObserver(Observer):
         target = (torch.bucketize(midpoints, edges, right=True) - 1).clamp(0, self.bins - 1)
         return torch.bincount(target, weights=fine, minlength=self.bins)
 
+    def _merge_key(self) -> tuple:
+        return (*super()._merge_key(), self.bins, self.upsample_rate)
+
+    def _merge_stats(self, other: HistogramObserver) -> None:
+        """Both histograms re-binned onto the union of the two ranges, then added.
+
+        Equal to one observer over both sides' batches when neither range had to grow (each
+        side's first batch spanned the union): the counts are then the same ``histc`` counts,
+        summed. Otherwise re-binning spreads a bin's mass over the bins it overlaps, as one
+        observer does when a later batch widens its range, but not at the same moments, so
+        the counts differ by that re-binning (a few per cent of the mass near bin edges) and the
+        searched range by about a bin."""
+        device = self._device()
+        lo = torch.minimum(self.min_val, other.min_val.to(device))
+        hi = torch.maximum(self.max_val, other.max_val.to(device))
+        self.histogram = self._rebinned(lo, hi) + other._rebinned(
+            lo.to(other.histogram.device), hi.to(other.histogram.device)
+        ).to(device)
+        self.min_val, self.max_val = lo, hi
+
     def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The clipped (min, max) chosen by ``search_range``; (min, max) for constant data."""
         self.check_calibrated()

@@ -37,3 +37,8 @@ class MinMaxObserver(Observer):
 
     def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.min_val, self.max_val
+
+    def _merge_stats(self, other: MinMaxObserver) -> None:
+        """The smaller minimum and the larger maximum: exactly one observer over both."""
+        self.min_val = torch.minimum(self.min_val, other.min_val.to(self._device()))
+        self.max_val = torch.maximum(self.max_val, other.max_val.to(self._device()))

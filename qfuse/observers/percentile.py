@@ -87,6 +87,15 @@ class PercentileObserver(Observer):
         self.min_sum = self.min_sum + lo.double()
         self.max_sum = self.max_sum + hi.double()
 
+    def _merge_key(self) -> tuple:
+        return (*super()._merge_key(), self.percentile)
+
+    def _merge_stats(self, other: PercentileObserver) -> None:
+        """Sums of per-batch ranges add (and so do the batch counts): the mean over all batches,
+        equal to one observer over both up to float64 summation order."""
+        self.min_sum = self.min_sum + other.min_sum.to(self._device())
+        self.max_sum = self.max_sum + other.max_sum.to(self._device())
+
     def value_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_calibrated()
         n = self.num_batches.double()

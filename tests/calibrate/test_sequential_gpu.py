@@ -1,0 +1,42 @@
+"""On the GPU: block-by-block calibration equals calibrating the whole model there, with less
+peak memory (the lead runs these on the device; they skip without CUDA)."""
+
+import copy
+
+import pytest
+import torch
+
+import qfuse
+from qfuse.observers.base import Recorder
+
+pytestmark = pytest.mark.gpu
+
+
+def _recorders(gm) -> dict:
+    return {
+        f"{name}.{k}": v.detach().cpu()
+        for name, m in gm.named_modules()
+        if isinstance(m, Recorder)
+        for k, v in m.state_dict().items()
+    }
+
+
+def test_sequential_on_cuda_equals_whole_model_on_cuda(llama):
+    prepared, batches = llama
+    cuda = torch.device("cuda")
+    whole = copy.deepcopy(prepared).to(cuda)
+    with torch.no_grad():
+        for b in batches:
+            whole(**{k: v.to(cuda) for k, v in b.items()})
+    seq = qfuse.calibrate_sequential(copy.deepcopy(prepared), batches, device=cuda)
+    assert next(seq.parameters()).device.type == "cpu"  # the model never left the CPU
+    got, want = _recorders(seq), _recorders(whole)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    # GPTQ ran on the GPU per block; convert (on the CPU) takes its results
+    ref = {k: v.cpu() for k, v in qfuse.convert(whole).state_dict().items()}
+    out = qfuse.convert(seq).state_dict()
+    for key, value in ref.items():
+        if key.endswith(("weight", "weight_scale", "x_scale")):
+            assert torch.equal(out[key].cpu(), value), key
