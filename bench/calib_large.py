@@ -89,7 +89,31 @@ def peak_gb(device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
+def _log_stages(device) -> None:
+    """Print each stage's start (elapsed seconds, peak GPU memory so far) on rank 0: tqdm is
+    quiet off a terminal, and a run cut off by a time limit still says how far it got."""
+    import qfuse.calibrate.sequential as seq
+
+    plain, t0 = seq._progress, time.perf_counter()
+
+    def stages(iterable, desc, quiet, total=None, leave=False):
+        if desc != "calibrate":
+            return plain(iterable, desc, quiet, total, leave)
+
+        def walk():
+            for stage in iterable:
+                print(f"stage {stage.name}: {time.perf_counter() - t0:.1f} s, peak "
+                      f"{peak_gb(device):.2f} GB", flush=True)
+                yield stage
+
+        return walk()
+
+    seq._progress = stages
+
+
 def run_sequential(prepared, data, device, args) -> dict:
+    if int(os.environ.get("RANK", "0")) == 0:
+        _log_stages(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)

@@ -18,11 +18,28 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.patterns import Chain
 from qfuse.observers.base import Recorder
+from qfuse.shapes import GUARDS
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _check_only(node: fx.Node) -> bool:
+    """Export's input guards and tensor-metadata asserts: checks with no result, left out of the
+    stages. A stage runs on its own device with cached inputs, where torch 2.11's guards (which
+    read every placeholder, None ones too, and strides of rank slices) and its recorded capture
+    device (``_assert_tensor_metadata(device=cpu)``) would fail on a correct run; the whole model
+    still checks its inputs when called."""
+    if node.users:
+        return False
+    return (node.op == "call_module" and node.target == GUARDS) or (
+        node.op == "call_function" and node.target is _ASSERT_METADATA
+    )
 
 _INDEXED = re.compile(r"^(?:(?P<parent>.+)\.)?(?P<index>\d+)$")
 
@@ -124,7 +141,7 @@ def split_stages(gm: fx.GraphModule, chains: list[Chain], blocks: str | None = N
     names = ["prefix", *(f"{blocks}.{b}" if blocks else str(b) for b in indices), "tail"]
     members: dict[int, list[fx.Node]] = {s: [] for s in range(-1, tail + 1)}
     for node in nodes:
-        if node.op != "get_attr":
+        if node.op != "get_attr" and not _check_only(node):
             members[stage_of[node]].append(node)
     last_use: dict[fx.Node, int] = {}
     for node in nodes:
