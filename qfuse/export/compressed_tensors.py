@@ -56,6 +56,24 @@ def export_compressed_tensors(
     Load the folder with ``transformers.AutoModelFor...from_pretrained(path)`` (needs
     ``compressed-tensors``), ``vllm serve path``, or back into qfuse with
     ``qfuse.load_compressed_tensors``. See the README section "Serving: vLLM / transformers".
+
+    Example:
+        >>> import json, os, tempfile, torch, transformers, qfuse
+        >>> config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+        ...                                  num_attention_heads=2, intermediate_size=64)
+        >>> model = transformers.BertModel(config).eval()
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (ids,))
+        >>> _ = prepared(ids)
+        >>> qmodel = qfuse.convert(prepared)
+        >>> folder = os.path.join(tempfile.mkdtemp(), "bert-w8a8")
+        >>> qfuse.export_compressed_tensors(qmodel, folder)
+        >>> qc = json.load(open(os.path.join(folder, "config.json")))["quantization_config"]
+        >>> qc["format"], qc["config_groups"]["group_0"]["input_activations"]["strategy"]
+        ('int-quantized', 'tensor')
+        >>> back = qfuse.load_compressed_tensors(folder, (ids,))
+        >>> torch.equal(back(ids)["last_hidden_state"], qmodel(ids)["last_hidden_state"])
+        True
     """
     state = get_state(qmodel)
     if state is None or state.stage != "converted":
@@ -70,7 +88,7 @@ def export_compressed_tensors(
     linears = {}
     for slot in _progress(slots, "compressed-tensors"):
         bias = template.get_submodule(slot.name).bias is not None
-        linears[slot.name] = ct_linear(slot, bias)
+        linears[slot.name] = ct_linear(slot, bias, asymmetric=not state.config.symmetric)
     groups: dict = {}
     for name, lin in linears.items():
         groups.setdefault(lin.scheme, []).append(name)

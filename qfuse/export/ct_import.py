@@ -206,9 +206,10 @@ def _file_linear(name, scheme: Scheme, tensors, model, path) -> CTLinear:
     if w_scale.shape[0] != out or (x_scale is None) != scheme.dynamic or (
         x_scale is not None and x_scale.numel() != 1) or (zp is not None and zp.numel() != 1):
         raise FormatError(
-            f"{path}: the scales of {name} (weight_scale {tuple(tensors[name + '.weight_scale'].shape)}"
-            f", input_scale {None if x_scale is None else tuple(x_scale.shape)}) do not fit its "
-            f"scheme, {scheme.describe()}."
+            f"{path}: the scales of {name} (weight_scale "
+            f"{tuple(tensors[name + '.weight_scale'].shape)}, input_scale "
+            f"{None if x_scale is None else tuple(x_scale.shape)}) do not fit its scheme, "
+            f"{scheme.describe()}."
         )
     bias = tensors.get(f"{name}.bias")
     return CTLinear(
@@ -340,8 +341,8 @@ def _use_file_codes(slots, layers: dict[str, CTLinear], path: str) -> None:
         mine = slot.module._buffers["weight"]
         if not torch.equal(mine[slot.rows].view(torch.int8), file.weight.view(torch.int8)):
             mine[slot.rows] = file.weight.to(mine.device)
-            redo.setdefault(id(slot.module), (slot.module, []))[1].append(slot)
-    for module, parts in redo.values():
+            redo[id(slot.module)] = slot.module
+    for module in redo.values():
         if module.x_zero_point is None:
             continue
         bias = torch.zeros(module.weight.shape[0], dtype=torch.float32)

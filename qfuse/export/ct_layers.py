@@ -154,16 +154,17 @@ class CTLinear:
                 if v is not None}
 
 
-def _unfold_bias(folded, codes, zero_point, scale, name) -> torch.Tensor:
+def _unfold_bias(folded, codes, zero_point, scale, has_bias: bool, name: str) -> torch.Tensor:
     """The bias before ``QLinear`` folded the input zero point's correction into it.
 
-    The fold stored ``float32(b - zp * colsum(W) * scale)`` (float64 inside); this finds a float32
-    ``b`` that folds back to exactly the stored value (the original, or a neighbour folding to the
-    same number), so the re-imported layer runs bit for bit as this one."""
+    The fold stored ``float32(b - zp * colsum(W) * scale)`` (float64 inside). Without a float
+    bias, ``b`` was 0 and must fold to the stored value; otherwise this finds a float32 ``b`` that
+    folds back to exactly the stored value (the original, or a neighbour folding to the same
+    number), so the re-imported layer runs bit for bit as this one."""
     corr = zero_point.double() * codes.to(torch.int32).sum(1).double() * scale.double()
-    first = (folded.double() + corr).float()
+    first = torch.zeros_like(folded) if not has_bias else (folded.double() + corr).float()
     out, todo = first.clone(), torch.ones_like(first, dtype=torch.bool)
-    for step in (0, 1, -1, 2, -2):
+    for step in (0, 1, -1, 2, -2) if has_bias else (0,):
         cand = first
         for _ in range(abs(step)):
             cand = torch.nextafter(cand, torch.full_like(cand, float("inf") if step > 0
@@ -178,9 +179,11 @@ def _unfold_bias(folded, codes, zero_point, scale, name) -> torch.Tensor:
     return out
 
 
-def ct_linear(slot: Slot, has_bias: bool) -> CTLinear:
+def ct_linear(slot: Slot, has_bias: bool, asymmetric: bool = False) -> CTLinear:
     """Slot ``slot`` of a fused layer as compressed-tensors' tensors; ``has_bias``: whether the
-    float model's Linear has a bias (a merged layer holds zeros for members without one)."""
+    float model's Linear has a bias (a merged layer holds zeros for members without one);
+    ``asymmetric``: the model's int8 activations have zero points (a layer whose zero point
+    came out 0 keeps none in qfuse, and gets an explicit 0 here, in its peers' group)."""
     b, rows = slot.module._buffers, slot.rows
     inv = b["x_inv_scale"]
     if inv is not None and inv.numel() != 1:
@@ -192,16 +195,15 @@ def ct_linear(slot: Slot, has_bias: bool) -> CTLinear:
     codes = b["weight"][rows]
     zp = b["x_zero_point"]
     dynamic = b["x_scale"] is None
+    if zp is None and asymmetric and not dynamic and codes.dtype == torch.int8:
+        zp = torch.zeros((), dtype=torch.int32)
     scheme = Scheme(codes.dtype, dynamic=dynamic, symmetric=zp is None)
     bias = b["bias"][rows] if b["bias"] is not None else None
-    if bias is not None and zp is not None:
-        if has_bias:
-            bias = _unfold_bias(bias, codes, zp, b["scale"][rows], slot.name)
-        elif not torch.equal((0 - zp.double() * codes.to(torch.int32).sum(1).double()
-                              * b["scale"][rows].double()).float(), bias):
-            raise FormatError(f"layer {slot.name}: a folded bias where the float Linear has none.")
+    folded = bias is not None and zp is not None and bool(zp.any())
+    if folded:
+        bias = _unfold_bias(bias, codes, zp, b["scale"][rows], has_bias, slot.name)
     if not has_bias:
-        if bias is not None and zp is None and bias.any():
+        if bias is not None and bias.any():
             raise FormatError(
                 f"layer {slot.name}: the quantized layer has a non-zero bias, the float model's "
                 "Linear none. Pass the float model the quantized one was converted from."

@@ -163,7 +163,8 @@ def scheme_of(name: str, group: dict, path: str) -> Scheme:
     """The ``Scheme`` of config group ``name``; ``UnsupportedError`` naming the group's scheme
     (W4A16, group-wise, block fp8, ...) when qfuse cannot run it."""
     weights, inputs = group.get("weights"), group.get("input_activations")
-    what = f"weights {describe_args(weights)}, input activations {describe_args(inputs)}"
+    short = f"W{(weights or {}).get('num_bits', 16)}A{(inputs or {}).get('num_bits', 16)}"
+    what = f"{short}: weights {describe_args(weights)}, input activations {describe_args(inputs)}"
 
     def refuse(why: str):
         return UnsupportedError(
@@ -184,7 +185,7 @@ def scheme_of(name: str, group: dict, path: str) -> Scheme:
     ) or weights.get("block_structure"):
         raise refuse("its weight scales are group- or block-wise")
     if not inputs:
-        raise refuse(f"it is weight-only (W8A{16}): qfuse quantizes the activations too")
+        raise refuse("it is weight-only (activations stay 16-bit); qfuse quantizes them too")
     if inputs.get("num_bits") != 8 or inputs.get("type") != weights.get("type"):
         raise refuse("its activations are not 8-bit of the weights' type")
     dynamic, strategy = inputs.get("dynamic"), inputs.get("strategy")
@@ -209,10 +210,11 @@ def read_groups(qc: dict, path: str) -> dict[str, tuple[Scheme, list[str]]]:
         )
     groups = qc.get("config_groups") or {}
     if not groups:
-        raise FormatError(f"{path}: quantization_config has no config_groups: nothing is quantized.")
+        raise FormatError(f"{path}: quantization_config has no config_groups; nothing to load.")
+    schemes = {name: (scheme_of(name, g, path), list(g.get("targets") or []))
+               for name, g in groups.items()}
     formats = {qc.get("format")} | {g.get("format") for g in groups.values() if g.get("format")}
-    formats.discard(MIXED_FORMAT)
-    odd = sorted(str(f) for f in formats if f not in _PLAIN_FORMATS)
+    odd = sorted(str(f) for f in formats - {MIXED_FORMAT} if f not in _PLAIN_FORMATS)
     if odd:
         raise UnsupportedError(
             f"{path}: weights stored as {odd}; qfuse reads W8A8 checkpoints stored as "
@@ -225,8 +227,7 @@ def read_groups(qc: dict, path: str) -> dict[str, tuple[Scheme, list[str]]]:
                 f"{path}: the checkpoint uses {what} ({key}); qfuse's fused layers do not "
                 "implement it. Serve it with vLLM."
             )
-    return {name: (scheme_of(name, g, path), list(g.get("targets") or [])) for name, g in
-            groups.items()}
+    return schemes
 
 
 def matches(name: str, module, target: str) -> bool:
