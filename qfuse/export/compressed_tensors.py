@@ -92,8 +92,9 @@ def export_compressed_tensors(
     groups: dict = {}
     for name, lin in linears.items():
         groups.setdefault(lin.scheme, []).append(name)
-    float_linears = [n for n, m in template.named_modules()
-                     if isinstance(m, nn.Linear) and n not in linears]
+    float_linears = [
+        n for n, m in template.named_modules() if isinstance(m, nn.Linear) and n not in linears
+    ]
     by_class = len(groups) == 1
     qconfig = quantization_config(groups, float_linears, by_class=by_class)
     tensors = _float_tensors(qmodel, template, graph, set(linears))

@@ -58,6 +58,7 @@ def load_compressed_tensors(
     activations static per-tensor (int8 also asymmetric) or dynamic per-token, one activation
     kind for the whole model. Anything else (W4A16, group-wise, block fp8, KV-cache
     quantization, sparse or packed weights) raises ``UnsupportedError`` naming the scheme.
+    ``qfuse.export_compressed_tensors`` has an example of the round trip.
     """
     path = os.fspath(path)
     config, qc = _read_config(path)
@@ -67,8 +68,14 @@ def load_compressed_tensors(
     schemes = _assign(model, groups, qc.get("ignore") or [], tensors, path)
     layers = {n: _file_linear(n, s, tensors, model, path) for n, s in schemes.items()}
     _load_float(model, tensors, layers, path)
-    prepared = prepare(model, _qconfig(schemes, path), example_inputs, example_kwargs,
-                       dynamic_shapes, merge_siblings=merge_siblings)
+    prepared = prepare(
+        model,
+        _qconfig(schemes, path),
+        example_inputs,
+        example_kwargs,
+        dynamic_shapes,
+        merge_siblings=merge_siblings,
+    )
     state = get_state(prepared)
     merged = {merged_path(g): list(g) for g in state.merged}
     keep_float, dtypes, plan, notes = {}, {}, {}, {}
@@ -83,8 +90,9 @@ def load_compressed_tensors(
                 f"qfuse merged {members} into one GEMM, and the checkpoint quantizes only "
                 f"{quantized}. Load with merge_siblings=False."
             )
-        plan[chain.name] = _merge([layers[m] for m in members], chain.activation in GATED,
-                                  chain.name)
+        plan[chain.name] = _merge(
+            [layers[m] for m in members], chain.activation in GATED, chain.name
+        )
         dtypes[chain.name] = layers[members[0]].scheme.dtype
         notes[chain.name] = f"compressed-tensors: {layers[members[0]].scheme.describe()}"
     covered = {m for c in plan for m in merged.get(c, [c])}
@@ -95,12 +103,25 @@ def load_compressed_tensors(
         )
     for source, obs_name in state.observers.items():
         readers = [c.name for c in state.chains if c.input == source and c.name in plan]
-        prepared.set_submodule(obs_name, _FileQParams(plan[readers[0]].x_qparams
-                                                      if readers else None))
+        prepared.set_submodule(
+            obs_name, _FileQParams(plan[readers[0]].x_qparams if readers else None)
+        )
     state.plan_transforms = [_CheckpointPlan(plan)]
-    qmodel = convert(prepared, keep_float=keep_float, layer_dtypes=dtypes, notes=notes,
-                     output=output, fuse_norms=fuse_norms)
+    qmodel = convert(
+        prepared,
+        keep_float=keep_float,
+        layer_dtypes=dtypes,
+        notes=notes,
+        output=output,
+        fuse_norms=fuse_norms,
+    )
     slots = (graph_slots if output == "graph" else model_slots)(qmodel, get_state(qmodel), model)
+    unswapped = sorted(set(layers) - {s.name for s in slots})
+    if unswapped:
+        raise UnsupportedError(
+            f"{path} quantizes {unswapped[:8]}, which convert(output='model') could not swap "
+            "(qfuse.summary says why); load with output='graph'."
+        )
     _use_file_codes(slots, layers, path)
     return qmodel
 
@@ -165,12 +186,13 @@ def _assign(model, groups, ignore, tensors, path) -> dict[str, Scheme]:
     scaled = {k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     if scaled - set(schemes):
         odd = sorted(scaled - set(schemes))[:8]
-        kinds = {type(model.get_submodule(n)).__name__ if _has(model, n) else "missing"
-                 for n in odd}
+        kinds = {
+            type(model.get_submodule(n)).__name__ if _has(model, n) else "missing" for n in odd
+        }
         raise UnsupportedError(
-            f"{path} holds quantized weights for {odd} ({', '.join(sorted(kinds))}), which are "
-            "not Linear layers of the model its config targets: qfuse loads quantized nn.Linear "
-            "layers only."
+            f"{path} holds quantized weights for {odd} ({', '.join(sorted(kinds))}), which its "
+            "quantization_config does not target (ignored, unmatched, or not nn.Linear layers: "
+            "qfuse loads quantized nn.Linear layers only)."
         )
     if set(schemes) - scaled:
         raise FormatError(
@@ -203,8 +225,15 @@ def _file_linear(name, scheme: Scheme, tensors, model, path) -> CTLinear:
     if w_scale.shape[0] == 1:
         w_scale = w_scale.expand(out, 1).clone()
     x_scale, zp = tensors.get(f"{name}.input_scale"), tensors.get(f"{name}.input_zero_point")
-    if w_scale.shape[0] != out or (x_scale is None) != scheme.dynamic or (
-        x_scale is not None and x_scale.numel() != 1) or (zp is not None and zp.numel() != 1):
+    if (
+        w_scale.shape[0] != out
+        or (x_scale is None) != scheme.dynamic
+        or (x_scale is not None and x_scale.numel() != 1)
+        or (
+            zp is not None
+            and (zp.numel() != 1 or scheme.dynamic or (scheme.symmetric and zp.any()))
+        )
+    ):
         raise FormatError(
             f"{path}: the scales of {name} (weight_scale "
             f"{tuple(tensors[name + '.weight_scale'].shape)}, input_scale "
@@ -225,8 +254,11 @@ def _file_linear(name, scheme: Scheme, tensors, model, path) -> CTLinear:
 def _load_float(model: nn.Module, tensors, layers: dict[str, CTLinear], path: str) -> None:
     """The file's tensors into the float model; quantized weights dequantized (what
     compressed-tensors' decompressor computes)."""
-    state = {k: v for k, v in tensors.items() if k.rpartition(".")[0] not in layers
-             or k.rpartition(".")[2] not in _QPARAMS}
+    state = {
+        k: v
+        for k, v in tensors.items()
+        if k.rpartition(".")[0] not in layers or k.rpartition(".")[2] not in _QPARAMS
+    }
     for name, lin in layers.items():
         state[f"{name}.weight"] = lin.weight.float() * lin.weight_scale
     result = model.load_state_dict(state, strict=False)
@@ -266,8 +298,13 @@ class _ChainTensors:
 def _merge(members: list[CTLinear], gated: bool, name: str) -> _ChainTensors:
     """Member Linears as prepare merged them: gate/up rows interleaved, Q/K/V concatenated."""
     join = (lambda ts: torch.stack(ts, dim=1).flatten(0, 1)) if gated else torch.cat
-    keys = {(m.input_scale.item() if m.input_scale is not None else None,
-             int(m.input_zero_point) if m.input_zero_point is not None else 0) for m in members}
+    keys = {
+        (
+            m.input_scale.item() if m.input_scale is not None else None,
+            int(m.input_zero_point) if m.input_zero_point is not None else 0,
+        )
+        for m in members
+    }
     if len(keys) != 1 or len({m.scheme for m in members}) != 1:
         raise UnsupportedError(
             f"layer {name}: its members have different schemes or input scales {sorted(keys)}, "
@@ -278,8 +315,9 @@ def _merge(members: list[CTLinear], gated: bool, name: str) -> _ChainTensors:
     scale = join([m.weight_scale.reshape(-1) for m in members])
     bias = None
     if any(m.bias is not None for m in members):
-        bias = join([m.bias if m.bias is not None else torch.zeros(m.weight.shape[0])
-                     for m in members])
+        bias = join(
+            [m.bias if m.bias is not None else torch.zeros(m.weight.shape[0]) for m in members]
+        )
     qparams = None
     if first.input_scale is not None:
         s = first.input_scale.double().reshape(())
@@ -299,8 +337,10 @@ class _FileQParams(nn.Module):
 
     def __init__(self, qparams) -> None:
         super().__init__()
-        self.qparams = qparams or (torch.ones((), dtype=torch.float64),
-                                   torch.zeros((), dtype=torch.int32))
+        self.qparams = qparams or (
+            torch.ones((), dtype=torch.float64),
+            torch.zeros((), dtype=torch.int32),
+        )
 
     def forward(self, x):
         return x
@@ -359,7 +399,8 @@ def _use_file_codes(slots, layers: dict[str, CTLinear], path: str) -> None:
             same &= torch.equal(b["x_scale"].reshape(1).cpu(), file.input_scale)
             mine_zp, file_zp = b["x_zero_point"], file.input_zero_point
             same &= (int(mine_zp) if mine_zp is not None else 0) == (
-                int(file_zp) if file_zp is not None else 0)
+                int(file_zp) if file_zp is not None else 0
+            )
         if not same:
             raise FormatError(
                 f"{path}: layer {slot.name} was built with scales other than the file's; this "

@@ -100,14 +100,19 @@ def graph_slots(gm: nn.Module, state, template: nn.Module) -> list[Slot]:
 
 
 def _gated_slots(name: str, mlp: QGatedMLP, state, template: nn.Module) -> Iterator[Slot]:
-    pair = next((g for g in state.merged if len(g) == 2 and all(
-        m.rpartition(".")[0] == name for m in g)), None)
+    pair = next(
+        (g for g in state.merged if len(g) == 2 and all(m.rpartition(".")[0] == name for m in g)),
+        None,
+    )
     if pair is None:
         raise FormatError(f"{name}: a swapped gated MLP without its merged gate/up record.")
     yield from _members(template, f"{name}.gate_up", mlp.gate_up, list(pair))
     parent = template.get_submodule(name)
-    rest = [f"{name}.{n}" for n, m in parent.named_children()
-            if isinstance(m, nn.Linear) and f"{name}.{n}" not in pair]
+    rest = [
+        f"{name}.{n}"
+        for n, m in parent.named_children()
+        if isinstance(m, nn.Linear) and f"{name}.{n}" not in pair
+    ]
     if len(rest) != 1:
         raise FormatError(
             f"{name}: the float model's MLP has Linears {rest} besides gate/up {pair}; "
@@ -147,11 +152,16 @@ class CTLinear:
     bias: torch.Tensor | None  # float32 [out]
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        out = {"weight": self.weight, "weight_scale": self.weight_scale,
-               "input_scale": self.input_scale, "input_zero_point": self.input_zero_point,
-               "bias": self.bias}
-        return {f"{name}.{k}": v.detach().cpu().contiguous() for k, v in out.items()
-                if v is not None}
+        out = {
+            "weight": self.weight,
+            "weight_scale": self.weight_scale,
+            "input_scale": self.input_scale,
+            "input_zero_point": self.input_zero_point,
+            "bias": self.bias,
+        }
+        return {
+            f"{name}.{k}": v.detach().cpu().contiguous() for k, v in out.items() if v is not None
+        }
 
 
 def _unfold_bias(folded, codes, zero_point, scale, has_bias: bool, name: str) -> torch.Tensor:
@@ -167,8 +177,9 @@ def _unfold_bias(folded, codes, zero_point, scale, has_bias: bool, name: str) ->
     for step in (0, 1, -1, 2, -2) if has_bias else (0,):
         cand = first
         for _ in range(abs(step)):
-            cand = torch.nextafter(cand, torch.full_like(cand, float("inf") if step > 0
-                                                         else float("-inf")))
+            cand = torch.nextafter(
+                cand, torch.full_like(cand, float("inf") if step > 0 else float("-inf"))
+            )
         ok = todo & ((cand.double() - corr).float() == folded)
         out, todo = torch.where(ok, cand, out), todo & ~ok
     if todo.any():

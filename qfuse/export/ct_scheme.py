@@ -108,8 +108,7 @@ def _args(type_: str, strategy: str, *, symmetric: bool, dynamic: bool) -> dict:
     }
 
 
-def quantization_config(groups: dict[Scheme, list[str]], ignore: list[str],
-                        by_class: bool) -> dict:
+def quantization_config(groups: dict[Scheme, list[str]], ignore: list[str], by_class: bool) -> dict:
     """The ``quantization_config`` of ``config.json`` for layers quantized as ``groups``.
 
     ``by_class``: one scheme for every quantized layer, which are all ``nn.Linear``: the group
@@ -180,9 +179,11 @@ def scheme_of(name: str, group: dict, path: str) -> Scheme:
         raise refuse(f"its weights are {bits}-bit" if weights else "its weights are not quantized")
     if not weights.get("symmetric", True) or weights.get("dynamic"):
         raise refuse("its weights have zero points or dynamic scales")
-    if weights.get("strategy") not in ("channel", "tensor") or weights.get("group_size") not in (
-        None, -1
-    ) or weights.get("block_structure"):
+    if (
+        weights.get("strategy") not in ("channel", "tensor")
+        or weights.get("group_size") not in (None, -1)
+        or weights.get("block_structure")
+    ):
         raise refuse("its weight scales are group- or block-wise")
     if not inputs:
         raise refuse("it is weight-only (activations stay 16-bit); qfuse quantizes them too")
@@ -211,8 +212,9 @@ def read_groups(qc: dict, path: str) -> dict[str, tuple[Scheme, list[str]]]:
     groups = qc.get("config_groups") or {}
     if not groups:
         raise FormatError(f"{path}: quantization_config has no config_groups; nothing to load.")
-    schemes = {name: (scheme_of(name, g, path), list(g.get("targets") or []))
-               for name, g in groups.items()}
+    schemes = {
+        name: (scheme_of(name, g, path), list(g.get("targets") or [])) for name, g in groups.items()
+    }
     formats = {qc.get("format")} | {g.get("format") for g in groups.values() if g.get("format")}
     odd = sorted(str(f) for f in formats - {MIXED_FORMAT} if f not in _PLAIN_FORMATS)
     if odd:
@@ -220,8 +222,11 @@ def read_groups(qc: dict, path: str) -> dict[str, tuple[Scheme, list[str]]]:
             f"{path}: weights stored as {odd}; qfuse reads W8A8 checkpoints stored as "
             f"{' / '.join(_PLAIN_FORMATS)} (plain int8 / fp8 weight tensors)."
         )
-    for key, what in (("kv_cache_scheme", "a quantized KV cache"),
-                      ("sparsity_config", "sparse weights"), ("transform_config", "transforms")):
+    for key, what in (
+        ("kv_cache_scheme", "a quantized KV cache"),
+        ("sparsity_config", "sparse weights"),
+        ("transform_config", "transforms"),
+    ):
         if qc.get(key):
             raise UnsupportedError(
                 f"{path}: the checkpoint uses {what} ({key}); qfuse's fused layers do not "
