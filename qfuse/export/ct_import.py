@@ -18,6 +18,7 @@ import os
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from qfuse.config import PerTensor, PerToken, QConfig
 from qfuse.convert import convert
@@ -45,6 +46,7 @@ def load_compressed_tensors(
     dynamic_shapes=None,
     merge_siblings: bool = True,
     fuse_norms: bool = True,
+    device: str | torch.device | None = None,
 ) -> fx.GraphModule | nn.Module:
     """Load the compressed-tensors checkpoint folder ``path`` into qfuse's fused modules.
 
@@ -52,7 +54,9 @@ def load_compressed_tensors(
     takes (for a model exported by qfuse, those it was prepared with). ``float_model``: the
     architecture to load into (its tensors are replaced by the file's); by default the
     transformers class named in ``config.json`` is built. ``output``, ``fuse_norms`` as in
-    ``qfuse.convert``; ``merge_siblings`` as in ``qfuse.prepare``.
+    ``qfuse.convert``; ``merge_siblings`` as in ``qfuse.prepare``. ``device`` (default: the
+    float model's): where the model is captured and runs, example inputs moved there too
+    (``"cuda"``: qfuse's Triton kernels).
 
     Runs the W8A8 schemes of ``ct_scheme``: int8 / fp8 weights per channel (or per tensor),
     activations static per-tensor (int8 also asymmetric) or dynamic per-token, one activation
@@ -68,6 +72,10 @@ def load_compressed_tensors(
     schemes = _assign(model, groups, qc.get("ignore") or [], tensors, path)
     layers = {n: _file_linear(n, s, tensors, model, path) for n, s in schemes.items()}
     _load_float(model, tensors, layers, path)
+    if device is not None:
+        model.to(device)
+        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        example_inputs, example_kwargs = pytree.tree_map(move, (example_inputs, example_kwargs))
     prepared = prepare(
         model,
         _qconfig(schemes, path),
