@@ -135,7 +135,7 @@ def model_slots(model: nn.Module, state, template: nn.Module) -> list[Slot]:
             slots.append(Slot(name, module, slice(None)))
         else:
             continue
-        inside = tuple(p for p in (*inside, f"{name}.") if p)
+        inside = (*inside, f"{name}.")  # its children are the merged layers just listed
     return [_check(s, template) for s in slots]
 
 

@@ -253,6 +253,18 @@ def test_output_model_exports_the_same_checkpoint(case, tmp_path):
         assert json.load(f) == json.load(g)
 
 
+def test_a_model_from_qfuse_load_exports_with_its_float_model(tmp_path, tmp_path_factory):
+    case = _get_case("bert", "int8_static", tmp_path_factory)
+    qfuse.save(case.qmodel, tmp_path / "q.safetensors")
+    loaded = qfuse.load(tmp_path / "q.safetensors", _float_model("bert"), (case.ids,))
+    with pytest.raises(QFuseError, match="float_model="):
+        qfuse.export_compressed_tensors(loaded, tmp_path / "nope")
+    qfuse.export_compressed_tensors(loaded, tmp_path / "out", float_model=_float_model("bert"))
+    want = load_file(os.path.join(case.folder, "model.safetensors"))
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_mixed_precision_writes_one_group_per_scheme(tmp_path, tmp_path_factory):
     """Layers converted to fp8 among int8 ones (``layer_dtypes``): two groups naming their
     layers, format mixed-precision; loads in both consumers and back into qfuse."""
