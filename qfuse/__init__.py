@@ -22,6 +22,7 @@ from qfuse.errors import (
     UnsupportedError,
 )
 from qfuse.export import export_program, export_torchscript, load, save
+from qfuse.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
 from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.gptq import GPTQ
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
@@ -77,4 +78,6 @@ __all__ = [
     "load",
     "export_torchscript",
     "export_program",
+    "export_compressed_tensors",
+    "load_compressed_tensors",
 ]
