@@ -12,9 +12,10 @@ from torch import fx, nn
 from qfuse.capture import capture
 from qfuse.config import PerChannel, QConfig
 from qfuse.errors import ModeError, UnsupportedError
+from qfuse.fusion.gated import merge_siblings as merge_sibling_layers
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, find_chains
-from qfuse.fusion.siblings import merge_sibling_linears
+from qfuse.fusion.siblings import merged_path
 from qfuse.prepare import config_for
 from qfuse.qat.config import QATConfig
 from qfuse.qat.conv_bn import ConvBnFakeQuant
@@ -155,8 +156,9 @@ def prepare_qat(
     steps. ``from_prepared``: a calibrated ``qfuse.prepare`` model of the same float model, whose
     activation scales, observers and SmoothQuant factors QAT starts from. ``model`` itself is not
     modified (QAT trains a copy; keep ``model`` as the float teacher). ``merge_siblings`` merges
-    Q/K/V-like sibling Linears into one layer as ``qfuse.prepare`` does (QAT trains the merged
-    weight); it must match the ``from_prepared`` model's.
+    Q/K/V-like sibling Linears and the gate/up pair of a gated MLP into one layer as
+    ``qfuse.prepare`` does (QAT trains the merged weight); it must match the ``from_prepared``
+    model's.
 
     Example:
         >>> import torch, qfuse
@@ -176,15 +178,11 @@ def prepare_qat(
     float_model = copy.deepcopy(model)
     work = copy.deepcopy(model)
     gm = capture(work, example_inputs, example_kwargs, dynamic_shapes, training=True)
-    merged = merge_sibling_linears(gm) if merge_siblings else []
+    merged = merge_sibling_layers(gm) if merge_siblings else []
     chains, skipped = find_chains(gm)
+    by_name = {c.name: c for c in chains}
     for members in merged:  # the merged weight trains if its members did
-        parent = members[0].rpartition(".")[0]
-        chain = next(  # the chain whose weight prepare made, under the members' parent
-            c
-            for c in chains
-            if c.name.startswith(parent) and c.weight not in dict(float_model.named_parameters())
-        )
+        chain = by_name[merged_path(members)]
         trainable = any(float_model.get_parameter(f"{m}.weight").requires_grad for m in members)
         for target in (chain.weight, chain.bias):
             if target is not None:
