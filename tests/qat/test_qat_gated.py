@@ -77,3 +77,51 @@ def test_llm_qat_converts_and_generates(family):
         assert cos > 0.999, cos
         generated = qmodel.generate(ids[:1], max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, ids.shape[1] + 4)
+
+
+class DropoutMLP(GatedMLP):
+    """Dropout between the gate's activation and the product: train mode cannot merge gate/up
+    (the product reads dropout's output), eval mode can (eval dropout is an identity)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.down(self.drop(self.act(self.gate(x))) * self.up(x)) + x
+
+
+class ModeLeak(GatedMLP):
+    """Reads the gate's output a second time in eval mode only: merged in train mode, not in eval."""
+
+    def forward(self, x):
+        g = self.act(self.gate(x))
+        y = self.down(g * self.up(x)) + x
+        return y if self.training else y + g.sum(-1, keepdim=True)
+
+
+def test_convert_merges_exactly_what_qat_merged():
+    """Before: 'layers [gate, gate_up, up] exist only in the train-mode or only in the eval-mode
+    graph (code under `if self.training`?)'. The eval-mode graph now replays QAT's merges."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    qat = qfuse.prepare_qat(DropoutMLP().train(), qfuse.QConfig.int8_static(), (x,))
+    assert get_state(qat).merged == []
+    qmodel = qfuse.convert(train(qat, x))
+    assert [r["name"] for r in qfuse.summary(qmodel).rows] == ["gate", "up", "down"]
+    assert_agrees(qat, qmodel, x)
+
+
+def test_a_merge_the_eval_graph_cannot_replay_is_named_as_a_merge():
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    qat = qfuse.prepare_qat(ModeLeak().train(), qfuse.QConfig.int8_static(), (x,))
+    assert get_state(qat).merged == [["gate", "up"]]
+    with pytest.raises(qfuse.GraphMismatchError) as err:
+        qfuse.convert(train(qat, x))
+    assert "pass merge_gated: QAT merged the layers [['gate', 'up']]" in str(err.value)
+    assert "merge_siblings=False" in str(err.value)
+    assert "if self.training" not in str(err.value)
+    unmerged = qfuse.prepare_qat(ModeLeak().train(), qfuse.QConfig.int8_static(), (x,),
+                                 merge_siblings=False)
+    qfuse.convert(train(unmerged, x))  # the fix the message gives
