@@ -17,14 +17,11 @@ from torch import fx
 
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
-from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import module_paths, remove_observers
-from qfuse.gptq import round_layer
 from qfuse.nn import QConv2d, QLinear
 from qfuse.pipeline import PipelineOptions, run_fused
-from qfuse.primitives import choose_qparams, inverse, weight_scale
-from qfuse.smoothquant import factors, smoothed_qparams
+from qfuse.plan import LayerPlan
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
 
 
@@ -38,76 +35,9 @@ def _state(model) -> QFuseState:
     return state
 
 
-def _tensor(gm: fx.GraphModule, target: str | None) -> torch.Tensor | None:
-    return attr_tensor(gm, target).detach() if target is not None else None
-
-
-def _per_tensor_qparams(observer, symmetric: bool):
-    """Per-tensor qparams, also from a per-channel (SmoothQuant) observer, and symmetric ones
-    from an affine observer when the layer needs them (fp8 is symmetric only)."""
-    qparams = observer.calculate_qparams()  # the checks (calibrated, not all-zero) and messages
-    if observer.channel_axis is None and symmetric == observer.symmetric:
-        return qparams
-    lo, hi = observer.value_range()
-    return choose_qparams(lo.min(), hi.max(), symmetric=symmetric)
-
-
-class _Plan:
-    """Float weights, input qparams and prologue vectors per chain, after SmoothQuant."""
-
-    def __init__(self, gm, state, chains, observers, dtypes, hessians):
-        self.dtypes = dtypes  # chain name -> torch.int8 | torch.float8_e4m3fn
-        self.weights = {c.name: _tensor(gm, c.weight).float() for c in chains}
-        self.biases = {c.name: _tensor(gm, c.bias) for c in chains}
-        self.biases = {k: (b.float() if b is not None else None) for k, b in self.biases.items()}
-        mods = {src: gm.get_submodule(name) for src, name in observers.items()}
-        fp8 = {c.name for c in chains if dtypes[c.name] == torch.float8_e4m3fn}
-        self.x_qparams = {
-            c.name: _per_tensor_qparams(mods[c.input], mods[c.input].symmetric or c.name in fp8)
-            for c in chains
-        }
-        self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
-        self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
-        self.weight_scales = {}  # chain name -> the scale GPTQ rounded against
-        by_name = {c.name: c for c in chains}
-        readers: dict[str, list[Chain]] = {}
-        for c in chains:
-            readers.setdefault(c.input, []).append(c)
-        for name in state.smoothed:
-            chain = by_name.get(name)
-            if chain is None:
-                continue
-            obs = mods[chain.input]
-            lo, hi = obs.value_range()
-            s = factors(
-                torch.maximum(lo.abs(), hi.abs()), self.weights[name], state.smoothquant.alpha
-            )
-            self.weights[name] = self.weights[name] * s[None, :]
-            self.smoothing[name] = s
-            self.x_qparams[name] = smoothed_qparams(lo, hi, s, obs.symmetric or name in fp8)
-            producer = next((c for c in chains if c.output == chain.input), None)
-            if producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1:
-                self.weights[producer.name] = self.weights[producer.name] / s[:, None]
-                if self.biases[producer.name] is not None:
-                    self.biases[producer.name] = self.biases[producer.name] / s
-            else:
-                self.prologue[name] = (inverse(s) * inverse(self.x_qparams[name][0])).float()
-        per_channel = isinstance(state.config.weight_granularity, PerChannel)
-        for c in chains:
-            if c.name in hessians:  # after SmoothQuant: GPTQ rounds the weights that ship
-                scale = weight_scale(self.weights[c.name], dtypes[c.name], per_channel)
-                self.weights[c.name] = round_layer(
-                    hessians[c.name],
-                    c.name,
-                    self.weights[c.name],
-                    scale,
-                    dtypes[c.name],
-                    state.gptq,
-                    self.smoothing.get(c.name),
-                )
-                self.weight_scales[c.name] = scale
-        for transform in state.plan_transforms:
-            transform.apply(self)
+# The per-layer plan (SmoothQuant, GPTQ and QAT's scales are transforms over it: qfuse.plan), by
+# the name the module swap imports it.
+_Plan = LayerPlan
 
 
 def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
@@ -140,7 +70,7 @@ def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
     return (readers, res_readers) if len(scales) == 1 else ([], [])
 
 
-def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_dtype,
+def _build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, out_dtype,
            residual_qparams=None):
     scale, zp = plan.x_qparams[chain.name]
     out_scale, out_zp = out_qparams if out_qparams else (None, None)
@@ -306,7 +236,7 @@ def convert(
         for c in chains
         if c.name in state.hessians
     }
-    plan = _Plan(gm, state, chains, observers, dtypes, hessians)
+    plan = LayerPlan(gm, state, chains, observers, dtypes, hessians)
     remove_observers(gm, set(state.hessians.values()))  # anchors read their observers again
 
     readers_of: dict[str, list[Chain]] = {}

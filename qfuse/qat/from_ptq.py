@@ -15,6 +15,7 @@ import torch
 from qfuse.errors import QFuseError
 from qfuse.fusion.patterns import Chain
 from qfuse.observers import MinMaxObserver
+from qfuse.plan import LayerPlan
 from qfuse.state import get_state
 
 
@@ -41,9 +42,6 @@ def _seeded_minmax(observer, s: torch.Tensor, symmetric: bool) -> MinMaxObserver
 def carry_over(ptq, chains: list[Chain], config, options=None) -> dict[str, Carry]:
     """Per QAT chain name, what to start from (``ptq`` is a calibrated ``qfuse.prepare`` model;
     ``options``: the QAT model's ``PipelineOptions``, whose merges the PTQ model must share)."""
-    # Imported here: convert is the flow QAT ends in, and it imports qfuse.qat lazily itself.
-    from qfuse.convert import _Plan
-
     state = get_state(ptq)
     if state is None or state.stage != "prepared":
         raise QFuseError(
@@ -68,7 +66,8 @@ def carry_over(ptq, chains: list[Chain], config, options=None) -> dict[str, Carr
             "(same architecture and example inputs, same merge_siblings) as the QAT model."
         )
     dtypes = {c.name: config.dtype for c in ptq_chains}
-    plan = _Plan(ptq, state, ptq_chains, state.observers, dtypes, {})  # GPTQ: QAT learns rounding
+    # No Hessians: QAT learns the rounding GPTQ would choose.
+    plan = LayerPlan(ptq, state, ptq_chains, state.observers, dtypes, {})
     fp8 = config.dtype == torch.float8_e4m3fn
     carried = {}
     for chain in ptq_chains:

@@ -33,8 +33,9 @@ def _ln_prepared(**kw):
 
 def _graph(gm) -> list[tuple[str, str]]:
     """What the graph computes, node by node (names aside)."""
-    return [(n.op, str(n.target)) for n in gm.graph.nodes if n.op in ("call_function",
-                                                                       "call_module")]
+    return [
+        (n.op, str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_module")
+    ]
 
 
 def _metadata(path) -> dict:
@@ -67,8 +68,13 @@ def test_options_round_trip_and_refuse_what_they_cannot_mean():
 
 def test_merge_siblings_and_pipeline_must_agree():
     with pytest.raises(UnsupportedError, match="contradicts"):
-        qfuse.prepare(LNBlock().eval(), qfuse.QConfig.int8_static(), (X,), merge_siblings=False,
-                      pipeline=PipelineOptions())
+        qfuse.prepare(
+            LNBlock().eval(),
+            qfuse.QConfig.int8_static(),
+            (X,),
+            merge_siblings=False,
+            pipeline=PipelineOptions(),
+        )
     with pytest.raises(UnsupportedError, match="PipelineOptions"):
         qfuse.prepare(LNBlock().eval(), qfuse.QConfig.int8_static(), (X,), pipeline={})
 
@@ -122,8 +128,11 @@ def test_a_rewrite_that_differs_on_load_names_the_pass(tmp_path):
     path = tmp_path / "ln.safetensors"
     qfuse.save(qfuse.convert(p), path)
     _rewrite_metadata(path, lambda meta: meta["passes"].update(fuse_norms=[]))
-    with pytest.raises(FormatError, match="graph pass fuse_norms rewrote none when the model was "
-                                          "saved but fc on this float model"):
+    with pytest.raises(
+        FormatError,
+        match="graph pass fuse_norms rewrote none when the model was "
+        "saved but fc on this float model",
+    ):
         qfuse.load(path, LNBlock().eval(), (X,))
 
 
@@ -151,11 +160,11 @@ def test_a_registered_pass_runs_in_prepare_and_is_replayed_by_load(tmp_path):
     """A new model family adds one pass: here one that records the LayerNorms it sees."""
 
     def norms(ctx):
-        return [n.name for n in ctx.gm.graph.nodes
-                if n.target is torch.ops.aten.layer_norm.default]
+        return [n.name for n in ctx.gm.graph.nodes if n.target is torch.ops.aten.layer_norm.default]
 
-    extra = register(GraphPass("count_norms", CAPTURE, apply=norms,
-                               record=lambda ctx, result: result))
+    extra = register(
+        GraphPass("count_norms", CAPTURE, apply=norms, record=lambda ctx, result: result)
+    )
     try:
         model, p = _ln_prepared()
         assert get_state(p).passes["count_norms"] == ["layer_norm"]

@@ -92,7 +92,7 @@ class DropoutMLP(GatedMLP):
 
 
 class ModeLeak(GatedMLP):
-    """Reads the gate's output a second time in eval mode only: merged in train mode, not in eval."""
+    """Reads the gate's output again in eval mode only: merged in train mode, not in eval."""
 
     def forward(self, x):
         g = self.act(self.gate(x))
@@ -122,6 +122,7 @@ def test_a_merge_the_eval_graph_cannot_replay_is_named_as_a_merge():
     assert "pass merge_gated: QAT merged the layers [['gate', 'up']]" in str(err.value)
     assert "merge_siblings=False" in str(err.value)
     assert "if self.training" not in str(err.value)
-    unmerged = qfuse.prepare_qat(ModeLeak().train(), qfuse.QConfig.int8_static(), (x,),
-                                 merge_siblings=False)
+    unmerged = qfuse.prepare_qat(
+        ModeLeak().train(), qfuse.QConfig.int8_static(), (x,), merge_siblings=False
+    )
     qfuse.convert(train(unmerged, x))  # the fix the message gives
