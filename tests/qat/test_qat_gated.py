@@ -52,14 +52,20 @@ def test_frozen_members_keep_the_merged_weight_frozen():
     assert not qat.get_parameter("gate_up.bias").requires_grad
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_llm_qat_converts_and_generates(family):
-    pytest.importorskip("transformers")
-    from tests import zoo_models
-
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("Llama", {}), ("Qwen2", {}), ("Mistral", {"sliding_window": None})],
+    ids=["llama", "qwen2", "mistral"],
+)
+def test_llm_qat_converts_and_generates(family, extra):
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model, tokens, _ = getattr(zoo_models, family)()
-    ids = tokens(batch=2, seq=8)["input_ids"]
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     qat = qfuse.prepare_qat(model.train(), qfuse.QConfig.int8_static(), (), {"input_ids": ids})
     opt = torch.optim.SGD(qat.parameters(), lr=1e-3)
     for _ in range(2):
@@ -70,7 +76,7 @@ def test_llm_qat_converts_and_generates(family):
     qat.eval()
     qmodel = qfuse.convert(qat, output="model")
     assert type(qmodel) is type(model)
-    assert sum(isinstance(m, QGatedMLP) for m in qmodel.modules()) == 2
+    assert sum(isinstance(m, QGatedMLP) for m in qmodel.modules()) == 1
     with torch.no_grad():
         fq, out = qat(input_ids=ids)["logits"], qmodel(input_ids=ids).logits
         cos = nn.functional.cosine_similarity(out.flatten(1), fq.flatten(1)).min()
