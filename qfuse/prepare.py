@@ -133,9 +133,17 @@ def prepare(
                 "dtype or weight granularity; use keep_float in qfuse.convert for mixed precision."
             )
     options = resolve_options(pipeline, merge_siblings)
-    return prepare_pipeline(model, config, example_inputs, example_kwargs, dynamic_shapes,
-                            options, layer_configs=layer_configs, smoothquant=smoothquant,
-                            gptq=gptq)
+    return prepare_pipeline(
+        model,
+        config,
+        example_inputs,
+        example_kwargs,
+        dynamic_shapes,
+        options,
+        layer_configs=layer_configs,
+        smoothquant=smoothquant,
+        gptq=gptq,
+    )
 
 
 def prepare_pipeline(

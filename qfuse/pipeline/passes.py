@@ -58,7 +58,7 @@ class GraphPass:
     flows: convert's summary notes); ``record(ctx, result)`` is the JSON-able list saved and
     compared on replay (None: nothing to compare). ``option`` names the ``PipelineOptions`` field
     that turns the pass on (None: always on). ``in_training=False``: a train-mode (QAT) capture
-    skips it, for the reason in ``training_note``.
+    skips it (QAT simulates it some other way).
     """
 
     name: str
@@ -67,7 +67,6 @@ class GraphPass:
     record: Callable[[PassContext, object], list | None] = lambda ctx, result: None
     option: str | None = None
     in_training: bool = True
-    training_note: str = ""
 
     def enabled(self, options: PipelineOptions, training: bool = False) -> bool:
         if training and not self.in_training:
@@ -109,6 +108,8 @@ def _pooled(ctx, result) -> list[str]:
     )
 
 
+# Not on a train-mode graph: QAT trains Conv2d + BatchNorm on simulated folded weights
+# (qfuse.qat.conv_bn), and its lowering folds them with the trained statistics.
 register(
     GraphPass(
         "fold_batchnorm",
@@ -116,8 +117,6 @@ register(
         apply=lambda ctx: fold_batchnorm(ctx.gm),
         record=lambda ctx, result: list(result),
         in_training=False,
-        training_note="QAT trains Conv2d + BatchNorm on simulated folded weights "
-        "(qfuse.qat.conv_bn); its lowering folds them with the trained statistics",
     )
 )
 register(
