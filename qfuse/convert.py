@@ -8,25 +8,20 @@ whose output is read only by other quantized chains that agree on one input scal
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Mapping
 
 import torch
 from torch import fx
 
-from qfuse.capture import inline_grad_wrappers
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
-from qfuse.fusion.eager_calls import eager_rewrites
-from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
-from qfuse.fusion.pool_quant import fuse_maxpool_quant
-from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
-from qfuse.gptq import round_layer
+from qfuse.fusion.rewrite import module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
-from qfuse.primitives import choose_qparams, inverse, weight_scale
-from qfuse.smoothquant import factors, smoothed_qparams
+from qfuse.pipeline import PipelineOptions, run_fused
+from qfuse.plan import LayerPlan
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
 
 
@@ -40,76 +35,9 @@ def _state(model) -> QFuseState:
     return state
 
 
-def _tensor(gm: fx.GraphModule, target: str | None) -> torch.Tensor | None:
-    return attr_tensor(gm, target).detach() if target is not None else None
-
-
-def _per_tensor_qparams(observer, symmetric: bool):
-    """Per-tensor qparams, also from a per-channel (SmoothQuant) observer, and symmetric ones
-    from an affine observer when the layer needs them (fp8 is symmetric only)."""
-    qparams = observer.calculate_qparams()  # the checks (calibrated, not all-zero) and messages
-    if observer.channel_axis is None and symmetric == observer.symmetric:
-        return qparams
-    lo, hi = observer.value_range()
-    return choose_qparams(lo.min(), hi.max(), symmetric=symmetric)
-
-
-class _Plan:
-    """Float weights, input qparams and prologue vectors per chain, after SmoothQuant."""
-
-    def __init__(self, gm, state, chains, observers, dtypes, hessians):
-        self.dtypes = dtypes  # chain name -> torch.int8 | torch.float8_e4m3fn
-        self.weights = {c.name: _tensor(gm, c.weight).float() for c in chains}
-        self.biases = {c.name: _tensor(gm, c.bias) for c in chains}
-        self.biases = {k: (b.float() if b is not None else None) for k, b in self.biases.items()}
-        mods = {src: gm.get_submodule(name) for src, name in observers.items()}
-        fp8 = {c.name for c in chains if dtypes[c.name] == torch.float8_e4m3fn}
-        self.x_qparams = {
-            c.name: _per_tensor_qparams(mods[c.input], mods[c.input].symmetric or c.name in fp8)
-            for c in chains
-        }
-        self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
-        self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
-        self.weight_scales = {}  # chain name -> the scale GPTQ rounded against
-        by_name = {c.name: c for c in chains}
-        readers: dict[str, list[Chain]] = {}
-        for c in chains:
-            readers.setdefault(c.input, []).append(c)
-        for name in state.smoothed:
-            chain = by_name.get(name)
-            if chain is None:
-                continue
-            obs = mods[chain.input]
-            lo, hi = obs.value_range()
-            s = factors(
-                torch.maximum(lo.abs(), hi.abs()), self.weights[name], state.smoothquant.alpha
-            )
-            self.weights[name] = self.weights[name] * s[None, :]
-            self.smoothing[name] = s
-            self.x_qparams[name] = smoothed_qparams(lo, hi, s, obs.symmetric or name in fp8)
-            producer = next((c for c in chains if c.output == chain.input), None)
-            if producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1:
-                self.weights[producer.name] = self.weights[producer.name] / s[:, None]
-                if self.biases[producer.name] is not None:
-                    self.biases[producer.name] = self.biases[producer.name] / s
-            else:
-                self.prologue[name] = (inverse(s) * inverse(self.x_qparams[name][0])).float()
-        per_channel = isinstance(state.config.weight_granularity, PerChannel)
-        for c in chains:
-            if c.name in hessians:  # after SmoothQuant: GPTQ rounds the weights that ship
-                scale = weight_scale(self.weights[c.name], dtypes[c.name], per_channel)
-                self.weights[c.name] = round_layer(
-                    hessians[c.name],
-                    c.name,
-                    self.weights[c.name],
-                    scale,
-                    dtypes[c.name],
-                    state.gptq,
-                    self.smoothing.get(c.name),
-                )
-                self.weight_scales[c.name] = scale
-        for transform in state.plan_transforms:
-            transform.apply(self)
+# The per-layer plan (SmoothQuant, GPTQ and QAT's scales are transforms over it: qfuse.plan), by
+# the name the module swap imports it.
+_Plan = LayerPlan
 
 
 def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
@@ -142,7 +70,7 @@ def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
     return (readers, res_readers) if len(scales) == 1 else ([], [])
 
 
-def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_dtype,
+def _build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, out_dtype,
            residual_qparams=None):
     scale, zp = plan.x_qparams[chain.name]
     out_scale, out_zp = out_qparams if out_qparams else (None, None)
@@ -232,8 +160,8 @@ def convert(
     layer_dtypes: Mapping[str, torch.dtype] | None = None,
     notes: Mapping[str, str] | None = None,
     output: str = "graph",
-    fuse_norms: bool = True,
-    fuse_pools: bool = True,
+    fuse_norms: bool | None = None,
+    fuse_pools: bool | None = None,
 ) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -253,7 +181,8 @@ def convert(
     in the same kernel (``fusion.norm_quant``; False keeps ATen's LayerNorm and the readers
     quantize in their prologue). ``fuse_pools`` lets a conv read only through a max-pool by
     fused convs requantize for them, the pool then runs on int8/fp8 (``fusion.pool_quant``;
-    False keeps ATen's float max-pool).
+    False keeps ATen's float max-pool). Both default to the ``PipelineOptions`` given to
+    ``prepare`` (all on); ``qfuse.save`` records the options and ``qfuse.load`` replays them.
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -285,6 +214,7 @@ def convert(
         )
     if output not in ("graph", "model"):
         raise UnsupportedError(f"output={output!r}: use 'graph' or 'model'.")
+    options = _options(state, fuse_norms=fuse_norms, fuse_pools=fuse_pools)
     if output == "model":
         return _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace)
     with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
@@ -306,7 +236,7 @@ def convert(
         for c in chains
         if c.name in state.hessians
     }
-    plan = _Plan(gm, state, chains, observers, dtypes, hessians)
+    plan = LayerPlan(gm, state, chains, observers, dtypes, hessians)
     remove_observers(gm, set(state.hessians.values()))  # anchors read their observers again
 
     readers_of: dict[str, list[Chain]] = {}
@@ -357,8 +287,8 @@ def convert(
                 res_readers,
             )
         )
-    fuse_chains(gm, state.chains, modules)
-    pooled = fuse_maxpool_quant(gm) if fuse_pools else {}
+    fused = run_fused(gm, state.chains, modules, options)
+    pooled = fused.results.get("fuse_pools") or {}
     for rec in layers:  # the records were written before the pool pass changed these layers
         if rec.name in pooled:
             pool, readers = pooled[rec.name]
@@ -369,22 +299,29 @@ def convert(
             elif f"{rec.name} (residual)" in readers:
                 rec.note = "; ".join(filter(None, [rec.note, f"residual quantized from {producer}"
                                                   f" through {pool}"]))
-    if fuse_norms:
-        from_norm = fuse_layernorm_quant(gm)
-        for rec in layers:
-            if rec.name in from_norm:
-                rec.input = f"{rec.precision} from {from_norm[rec.name]}"
+    from_norm = fused.results.get("fuse_norms") or {}
+    for rec in layers:
+        if rec.name in from_norm:
+            rec.input = f"{rec.precision} from {from_norm[rec.name]}"
     kept = [
         Skipped(c.name, c.kind, f"kept float: {keep_float[c.name]}")
         for c in state.chains
         if c.name in keep_float
     ]
-    inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
-    eager_rewrites(gm)  # eager host time: view ops as tensor methods, no all-ones masks
     state.skipped = kept + list(state.skipped)
+    state.pipeline, state.passes = options, {**state.passes, **fused.records}
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)
     return gm
+
+
+def _options(state, **given) -> PipelineOptions:
+    """The prepared model's pipeline options with convert's own (None: as prepared)."""
+    options = state.pipeline if state.pipeline is not None else PipelineOptions()
+    for name, value in given.items():
+        if value is not None and not isinstance(value, bool):
+            raise UnsupportedError(f"{name}={value!r}: give True or False.")
+    return dataclasses.replace(options, **{k: v for k, v in given.items() if v is not None})
 
 
 def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) -> torch.nn.Module:

@@ -15,6 +15,7 @@ import torch
 from qfuse.errors import QFuseError
 from qfuse.fusion.patterns import Chain
 from qfuse.observers import MinMaxObserver
+from qfuse.plan import LayerPlan
 from qfuse.state import get_state
 
 
@@ -38,17 +39,24 @@ def _seeded_minmax(observer, s: torch.Tensor, symmetric: bool) -> MinMaxObserver
     return seeded
 
 
-def carry_over(ptq, chains: list[Chain], config) -> dict[str, Carry]:
-    """Per QAT chain name, what to start from (``ptq`` is a calibrated ``qfuse.prepare`` model)."""
-    # Imported here: convert is the flow QAT ends in, and it imports qfuse.qat lazily itself.
-    from qfuse.convert import _Plan
-
+def carry_over(ptq, chains: list[Chain], config, options=None) -> dict[str, Carry]:
+    """Per QAT chain name, what to start from (``ptq`` is a calibrated ``qfuse.prepare`` model;
+    ``options``: the QAT model's ``PipelineOptions``, whose merges the PTQ model must share)."""
     state = get_state(ptq)
     if state is None or state.stage != "prepared":
         raise QFuseError(
             "prepare_qat(from_prepared=...) takes a calibrated model returned by qfuse.prepare; "
             f"got {type(ptq).__name__}" + (f" at stage '{state.stage}'." if state else ".")
         )
+    theirs = state.pipeline
+    if options is not None and theirs is not None:
+        for merge in ("merge_gated", "merge_siblings"):
+            if getattr(options, merge) != getattr(theirs, merge):
+                raise QFuseError(
+                    f"prepare_qat runs {merge}={getattr(options, merge)} but the from_prepared "
+                    f"model was prepared with {merge}={getattr(theirs, merge)}; give both the "
+                    "same merge_siblings (or PipelineOptions)."
+                )
     names = {c.name for c in chains}
     ptq_chains = [c for c in state.chains if c.name in names]
     missing = sorted(names - {c.name for c in ptq_chains})
@@ -58,7 +66,8 @@ def carry_over(ptq, chains: list[Chain], config) -> dict[str, Carry]:
             "(same architecture and example inputs, same merge_siblings) as the QAT model."
         )
     dtypes = {c.name: config.dtype for c in ptq_chains}
-    plan = _Plan(ptq, state, ptq_chains, state.observers, dtypes, {})  # GPTQ: QAT learns rounding
+    # No Hessians: QAT learns the rounding GPTQ would choose.
+    plan = LayerPlan(ptq, state, ptq_chains, state.observers, dtypes, {})
     fp8 = config.dtype == torch.float8_e4m3fn
     carried = {}
     for chain in ptq_chains:
