@@ -78,7 +78,6 @@ def train(mode: str, args, device, rank: int, world: int) -> dict:
     if mode == "lsq":
         with torch.no_grad():
             qat(example)  # LSQ scales are initialised by the first batch, before DDP wraps them
-    qat.to(device)  # DDP broadcasts every buffer over NCCL: none may stay on the CPU
     model = qat
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
