@@ -59,25 +59,31 @@ def compile_variant(tma: bool, fp8: bool, act: str, out_q: int, zp: bool, bm: in
                 spill_loads=int(spill.group(2)) if spill else None, shared=k.metadata.shared)
 
 
+# (layer, tma, fp8, act, out_q, zp, bm, bn, bk, warps, stages, epi)
 ROWS = [
-    # (label, tma, fp8, act, out_q, zp, bm, bn, bk, warps, stages, epi)
-    ("ffn_up int8 asym  MMA 128x128x64 w4 s3", False, False, "gelu", 1, True, 128, 128, 64, 4, 3, 1),
-    ("ffn_up int8 asym  MMA 128x128x64 w4 s4 e2", False, False, "gelu", 1, True, 128, 128, 64, 4, 4, 2),
-    ("ffn_up int8 sym   MMA 128x128x64 w4 s3", False, False, "gelu", 1, False, 128, 128, 64, 4, 3, 1),
-    ("ffn_up int8 asym  TMA 128x128x64 w4 s4", True, False, "gelu", 1, True, 128, 128, 64, 4, 4, 1),
-    ("ffn_up int8 asym  TMA 128x128x64 w4 s4 e2", True, False, "gelu", 1, True, 128, 128, 64, 4, 4, 2),
-    ("ffn_up fp8        MMA 128x128x64 w4 s4", False, True, "gelu", 2, False, 128, 128, 64, 4, 4, 1),
-    ("ffn_down int8 asym MMA 128x128x128 w4 s3", False, False, "none", 0, True, 128, 128, 128, 4, 3, 1),
-    ("ffn_down int8 asym TMA 128x128x128 w4 s3", True, False, "none", 0, True, 128, 128, 128, 4, 3, 1),
+    ("ffn_up", False, False, "gelu", 1, True, 128, 128, 64, 4, 3, 1),
+    ("ffn_up", False, False, "gelu", 1, True, 128, 128, 64, 4, 4, 2),
+    ("ffn_up", False, False, "gelu", 1, False, 128, 128, 64, 4, 3, 1),
+    ("ffn_up", True, False, "gelu", 1, True, 128, 128, 64, 4, 4, 1),
+    ("ffn_up", True, False, "gelu", 1, True, 128, 128, 64, 4, 4, 2),
+    ("ffn_up", False, True, "gelu", 2, False, 128, 128, 64, 4, 4, 1),
+    ("ffn_down", False, False, "none", 0, True, 128, 128, 128, 4, 3, 1),
+    ("ffn_down", True, False, "none", 0, True, 128, 128, 128, 4, 3, 1),
 ]
+
+
+def label(layer, tma, fp8, act, out_q, zp, bm, bn, bk, warps, stages, epi) -> str:
+    dtype = "fp8" if fp8 else ("int8 asym" if zp else "int8 sym")
+    return (f"{layer} {dtype} {'TMA' if tma else 'MMA'} {bm}x{bn}x{bk} w{warps} s{stages}"
+            + (f" e{epi}" if epi > 1 else ""))
 
 
 def main():
     print("| variant | registers | spill stores / loads (bytes) | shared (bytes) |")
     print("|---|---|---|---|")
-    for label, *v in ROWS:
-        r = compile_variant(*v)
-        print(f"| {label} | {r['regs']} | {r['spill_stores']} / {r['spill_loads']} | "
+    for row in ROWS:
+        r = compile_variant(*row[1:])
+        print(f"| {label(*row)} | {r['regs']} | {r['spill_stores']} / {r['spill_loads']} | "
               f"{r['shared']} |", flush=True)
 
 
