@@ -2,11 +2,11 @@
 
 ``qfuse_onnx::quantize`` / ``dequantize`` are ONNX QuantizeLinear / DequantizeLinear, op for op
 (divide by the scale, round half to even, add the zero point, saturate to the zero point's
-dtype; per-tensor or per-axis), and ``matmul_integer`` is MatMulInteger (int8 x int8 -> int32).
-``gemm`` is a bias-less ONNX Gemm. The rewritten graph (``graph.py``) calls them, so the torch module that ``torch.onnx.export``
-traces computes exactly what the ONNX graph will; ``TRANSLATIONS`` tells the exporter to write
-each as its single ONNX node, scales and zero points as initializers (``torch.onnx`` keeps
-DequantizeLinear out of constant folding, so int8 weights stay int8 in the file).
+dtype; per-tensor or per-axis), ``matmul_integer`` is MatMulInteger (int8 x int8 -> int32) and
+``gemm`` a Gemm without bias. The rewritten graph (``graph.py``) calls them, so the torch module
+that ``torch.onnx.export`` traces computes exactly what the ONNX graph will; ``TRANSLATIONS``
+tells the exporter to write each as its single ONNX node, scales and zero points as initializers
+(``torch.onnx`` keeps DequantizeLinear out of constant folding: int8 weights stay int8).
 """
 
 from __future__ import annotations
