@@ -19,7 +19,7 @@ from qfuse.errors import (
     ShapeError,
     UnsupportedError,
 )
-from qfuse.export import export_program, export_torchscript, load, save
+from qfuse.export import export_onnx, export_program, export_torchscript, load, save
 from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.gptq import GPTQ
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
@@ -72,4 +72,5 @@ __all__ = [
     "load",
     "export_torchscript",
     "export_program",
+    "export_onnx",
 ]

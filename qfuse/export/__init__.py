@@ -1,10 +1,11 @@
-"""Shipping converted models: ``save``/``load`` (safetensors), TorchScript, and torch.export.
+"""Shipping converted models: ``save``/``load`` (safetensors), TorchScript, torch.export, ONNX QDQ.
 
 See ``docs/export.md`` for the file layout, the metadata schema and which format to pick.
 """
 
+from qfuse.export.onnx import export_onnx
 from qfuse.export.program import export_program
 from qfuse.export.safetensors import load, save
 from qfuse.export.torchscript import export_torchscript
 
-__all__ = ["export_program", "export_torchscript", "load", "save"]
+__all__ = ["export_onnx", "export_program", "export_torchscript", "load", "save"]

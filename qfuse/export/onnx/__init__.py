@@ -107,7 +107,6 @@ def export_onnx(
         True
     """
     from qfuse.export.onnx.graph import rewrite
-    from qfuse.export.onnx.ops import TRANSLATIONS
 
     converted_state(qmodel, "qfuse.export_onnx")
     if activations not in ACTIVATION_DTYPES:
@@ -116,6 +115,15 @@ def export_onnx(
     if opset < MIN_OPSET:
         raise UnsupportedError(f"export_onnx opset={opset}: QDQ export needs opset >= "
                                f"{MIN_OPSET} (float8 QuantizeLinear); pass opset={MIN_OPSET}.")
+    try:
+        import onnx
+
+        from qfuse.export.onnx.ops import translations
+
+        table = translations()
+    except ImportError as exc:
+        raise UnsupportedError(f"qfuse.export_onnx needs onnx and onnxscript ({exc.name} is "
+                               "missing): pip install onnx onnxscript onnxruntime") from exc
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     graph, layers, notes = rewrite(qmodel, ACTIVATION_DTYPES[activations])
     if dynamic_shapes is None:
@@ -125,7 +133,7 @@ def export_onnx(
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 graph, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, dynamo=True,
-                custom_translation_table=TRANSLATIONS, opset_version=opset, verbose=False,
+                custom_translation_table=table, opset_version=opset, verbose=False,
                 report=False, optimize=True)
     except Exception as exc:  # the exporter raises many types; all mean "could not export"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -134,8 +142,6 @@ def export_onnx(
     described = {name: _describe(mod) for name, mod in layers}
     program.model.metadata_props["qfuse.notes"] = json.dumps(notes)
     program.model.metadata_props["qfuse.layers"] = json.dumps(described)
-    import onnx
-
     from qfuse.export.onnx.proto import dedicate_dequantize, name_dynamic_dims, unshare_qparams
 
     model = program.model_proto
@@ -144,7 +150,10 @@ def export_onnx(
     name_dynamic_dims(model)
     with atomic_path(path) as tmp:
         onnx.save(model, tmp)
-        onnx.checker.check_model(tmp, full_check=True)
+        try:
+            onnx.checker.check_model(tmp, full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise CaptureError(f"export_onnx wrote a graph onnx.checker rejects: {exc}") from exc
     return OnnxExport(os.fspath(path), opset, described, notes)
 
 

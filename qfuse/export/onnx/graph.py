@@ -49,18 +49,73 @@ class QDQNorm(nn.Module):
 
 
 class QDQMaxPool(nn.Module):
-    """``qfuse::max_pool2d`` on int8: DequantizeLinear -> MaxPool -> QuantizeLinear with the
+    """A max-pool of int8 values: DequantizeLinear -> MaxPool -> QuantizeLinear with the
     producer's output qparams (exact: max-pool commutes with the monotone dequantize), the form
-    onnxruntime turns back into an int8 MaxPool."""
+    onnxruntime turns back into an int8 MaxPool. ``args``: aten.max_pool2d's after the input."""
 
     def __init__(self, args: tuple, qparams: ActivationQParams):
         super().__init__()
         self.args, self.qparams = args, qparams
 
     def forward(self, x):
-        kernel, stride, padding, dilation, ceil_mode = self.args
-        y = F.max_pool2d(self.qparams.dq(x), kernel, stride, padding, dilation, ceil_mode)
-        return self.qparams.q(y)
+        return self.qparams.q(torch.ops.aten.max_pool2d.default(self.qparams.dq(x), *self.args))
+
+
+class QDQAround(nn.Module):
+    """``op`` (a reshape) between DequantizeLinear and QuantizeLinear with one scale: exact, and
+    what onnxruntime reduces to the op on int8. A QuantizeLinear -> Reshape -> DequantizeLinear
+    chain instead keeps its int8-to-uint8 rewrite (precise mode) from pairing the two, and the
+    next GEMM stays float."""
+
+    def __init__(self, op, args: tuple, qparams: ActivationQParams):
+        super().__init__()
+        self.op, self.args, self.qparams = op, args, qparams
+
+    def forward(self, x):
+        return self.qparams.q(self.op(self.qparams.dq(x), *self.args))
+
+
+# Ops a quantization commutes with (monotone or pure data movement): Q(op(y)) == op(Q(y)).
+_COMMUTING = {torch.ops.aten.max_pool2d.default, torch.ops.aten.flatten.using_ints,
+              torch.ops.aten.view.default, torch.ops.aten.reshape.default, "flatten", "view",
+              "reshape"}
+
+
+def _hoist_quantize(gm: fx.GraphModule, notes: list) -> None:
+    """A fused layer that quantizes a float input coming from a fused conv's float output
+    through max-pools and reshapes only (a CNN's conv -> pool -> flatten -> Linear) gets that
+    QuantizeLinear at the conv's output instead: exact (quantization commutes with both), and
+    the conv then ends in a QuantizeLinear, which onnxruntime runs as QLinearConv."""
+    for node in list(gm.graph.nodes):
+        reader = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if not isinstance(reader, QDQLinear | QDQConv2d) or reader.input_quantized:
+            continue
+        if reader.x is None or getattr(reader, "smooth", None) is not None:
+            continue
+        chain, src = [], node.args[0]
+        while (isinstance(src, fx.Node) and src.op in ("call_function", "call_method")
+               and src.target in _COMMUTING and len(src.users) == 1):
+            chain.append(src)
+            src = src.args[0]
+        producer = gm.get_submodule(src.target) if (
+            chain and isinstance(src, fx.Node) and src.op == "call_module") else None
+        if (not isinstance(producer, QDQConv2d) or producer.out is not None
+                or len(src.users) != 1 or producer.qdtype != reader.qdtype
+                or producer.out_dtype != torch.float32):
+            continue
+        producer.out = copy.deepcopy(reader.x)  # the reader's own scale and zero point
+        reader.input_quantized = True
+        for i, op in enumerate(chain):
+            fn = getattr(torch.Tensor, op.target) if isinstance(op.target, str) else op.target
+            name = f"qdq_hoisted_{i}_{node.name}"
+            gm.add_module(name, QDQAround(fn, tuple(op.args[1:]), producer.out))
+            with gm.graph.inserting_before(op):
+                new = gm.graph.call_module(name, (op.args[0],))
+            op.replace_all_uses_with(new)
+            gm.graph.erase_node(op)
+        notes.append(f"{src.target}: the float output {node.target} quantizes (through "
+                     "max-pool / reshape) is quantized at the conv instead, with the same scale "
+                     "(exact: quantization commutes with them)")
 
 
 def _module_of_attr(gm: fx.GraphModule, node, what: str, suffix: str):
@@ -140,6 +195,7 @@ def rewrite(gm: fx.GraphModule, act_dtype: torch.dtype) -> tuple[fx.GraphModule,
             node.target = gated_float
         elif str(getattr(node.target, "namespace", "")) == "qfuse":
             raise UnsupportedError(f"{node.name}: qfuse op {node.target} has no ONNX export.")
+    _hoist_quantize(gm, notes)
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()

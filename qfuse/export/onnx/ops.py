@@ -4,7 +4,7 @@
 (divide by the scale, round half to even, add the zero point, saturate to the zero point's
 dtype; per-tensor or per-axis), ``matmul_integer`` is MatMulInteger (int8 x int8 -> int32) and
 ``gemm`` a Gemm without bias. The rewritten graph (``graph.py``) calls them, so the torch module
-that ``torch.onnx.export`` traces computes exactly what the ONNX graph will; ``TRANSLATIONS``
+that ``torch.onnx.export`` traces computes exactly what the ONNX graph will; ``translations()``
 tells the exporter to write each as its single ONNX node, scales and zero points as initializers
 (``torch.onnx`` keeps DequantizeLinear out of constant folding: int8 weights stay int8).
 """
@@ -12,7 +12,6 @@ tells the exporter to write each as its single ONNX node, scales and zero points
 from __future__ import annotations
 
 import torch
-from onnxscript import opset19 as op
 
 QDTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
 
@@ -110,25 +109,26 @@ def _(a, b):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _quantize_onnx(x, scale, zero_point, axis: int):
-    return op.QuantizeLinear(x, scale, zero_point, axis=axis)
+def translations() -> dict:
+    """``torch.onnx.export``'s ``custom_translation_table`` for the ops above (onnxscript is
+    imported here: only an ONNX export needs it)."""
+    from onnxscript import opset19 as op
 
+    def quantize_onnx(x, scale, zero_point, axis: int):
+        return op.QuantizeLinear(x, scale, zero_point, axis=axis)
 
-def _dequantize_onnx(q, scale, zero_point, axis: int):
-    return op.DequantizeLinear(q, scale, zero_point, axis=axis)
+    def dequantize_onnx(q, scale, zero_point, axis: int):
+        return op.DequantizeLinear(q, scale, zero_point, axis=axis)
 
+    def matmul_integer_onnx(a, b):
+        return op.MatMulInteger(a, b)
 
-def _matmul_integer_onnx(a, b):
-    return op.MatMulInteger(a, b)
+    def gemm_onnx(a, b):
+        return op.Gemm(a, b)
 
-
-def _gemm_onnx(a, b):
-    return op.Gemm(a, b)
-
-
-TRANSLATIONS = {
-    torch.ops.qfuse_onnx.gemm.default: _gemm_onnx,
-    torch.ops.qfuse_onnx.quantize.default: _quantize_onnx,
-    torch.ops.qfuse_onnx.dequantize.default: _dequantize_onnx,
-    torch.ops.qfuse_onnx.matmul_integer.default: _matmul_integer_onnx,
-}
+    return {
+        torch.ops.qfuse_onnx.quantize.default: quantize_onnx,
+        torch.ops.qfuse_onnx.dequantize.default: dequantize_onnx,
+        torch.ops.qfuse_onnx.matmul_integer.default: matmul_integer_onnx,
+        torch.ops.qfuse_onnx.gemm.default: gemm_onnx,
+    }

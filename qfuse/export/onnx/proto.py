@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import collections
 
-import onnx
-
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # What onnxruntime's CPU graph optimizer turns the QDQ pattern into (int8 kernels).
 ORT_INT8_OPS = ("MatMulIntegerToFloat", "QLinearMatMul", "QGemm", "QLinearConv", "MatMulInteger",
                 "QLinearAdd", "DynamicQuantizeMatMul")
 
 
-def dedicate_dequantize(model: onnx.ModelProto) -> int:
+def dedicate_dequantize(model) -> int:
     """One DequantizeLinear per consumer (what onnxruntime's tool writes with
     ``DedicatedQDQPair``); returns how many were added.
 
@@ -32,7 +30,7 @@ def dedicate_dequantize(model: onnx.ModelProto) -> int:
             continue
         readers = consumers[node.output[0]]
         for k, (reader, i) in enumerate(readers[1:], start=1):
-            copy = onnx.NodeProto()
+            copy = type(node)()
             copy.CopyFrom(node)
             copy.name = f"{node.name}__{k}"
             copy.output[0] = f"{node.output[0]}__{k}"
@@ -44,7 +42,7 @@ def dedicate_dequantize(model: onnx.ModelProto) -> int:
     return added
 
 
-def unshare_qparams(model: onnx.ModelProto) -> int:
+def unshare_qparams(model) -> int:
     """Give every Q/DQ node its own scale and zero-point initializers; returns how many copies.
 
     The exporter merges equal constants (two layers with 16 output channels share one all-zero
@@ -63,7 +61,7 @@ def unshare_qparams(model: onnx.ModelProto) -> int:
             name = node.input[i]
             if uses[name] > 1 and name in inits:
                 uses[name] -= 1
-                copy = onnx.TensorProto()
+                copy = type(inits[name])()
                 copy.CopyFrom(inits[name])
                 copy.name = f"{name}__{node.name or copies}"
                 model.graph.initializer.append(copy)
@@ -97,6 +95,7 @@ def optimized_ops(path: str, precise: bool = True) -> collections.Counter:
     import os
     import tempfile
 
+    import onnx
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,16 +106,15 @@ def optimized_ops(path: str, precise: bool = True) -> collections.Counter:
     return collections.Counter(n.op_type for n in graph.node)
 
 
-def name_dynamic_dims(model: onnx.ModelProto) -> dict[str, str]:
+def name_dynamic_dims(model) -> dict[str, str]:
     """Rename the exporter's symbolic dims (``s72``) on the graph inputs' first two axes to
     ``batch`` and ``sequence``, everywhere they appear; returns the mapping."""
     names: dict[str, str] = {}
     for value in model.graph.input:
         for axis, dim in enumerate(value.type.tensor_type.shape.dim[:2]):
-            if dim.dim_param and dim.dim_param not in names:
-                names[dim.dim_param] = ("batch", "sequence")[axis]
-    if len(set(names.values())) != len(names):  # two different symbols per axis: leave them
-        return {}
+            name = ("batch", "sequence")[axis]
+            if dim.dim_param and names.setdefault(dim.dim_param, name) != name:
+                return {}  # one symbol on both axes: leave the exporter's names
     for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in names:
