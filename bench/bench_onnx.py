@@ -157,14 +157,13 @@ def bench_model(name, float_model, qmodel, feeds_torch, reference_out, tmp, repe
         if k in errors:
             row["error_vs_qfuse"] = errors[k]
         rows.append(row)
-    rows.append({"model": name, "variant": "qfuse_cpu", "note": "error of the fp32 model vs "
-                 "qfuse (quantization error)", "fp32_vs_qfuse": rel(fp32_ref, ref, mask)})
     ops = optimized_ops(qdq_path)
     return rows, {
         "int8_kernels": {k: ops[k] for k in INT8_KERNELS if ops[k]},
         "float_conv_matmul_left": {k: ops[k] for k in ("Conv", "FusedConv", "MatMul", "Gemm",
                                                        "FusedGemm", "FusedMatMul") if ops[k]},
         "fused_layers": len(result.layers),
+        "quantization_error_fp32_vs_qfuse": rel(fp32_ref, ref, mask),
         "notes": result.notes,
         "profile_ms_per_call": {"ort_fp32": ort_profile(fp32_path, False, feeds),
                                 "ort_qdq": ort_profile(qdq_path, True, feeds)},
