@@ -88,10 +88,13 @@ def export_onnx(
     written to a temporary name, checked with ``onnx.checker`` and renamed: a failed export
     leaves nothing at ``path``. Raises ``UnsupportedError`` naming a layer with no ONNX form
     (fp8 with dynamic per-token scales), ``CaptureError`` when ``torch.onnx.export`` fails.
+    Run it in onnxruntime with ``session_options()`` (its precise int8 mode; on CPUs without
+    AVX-VNNI the default mode saturates).
 
     Example:
         >>> import os, tempfile, torch, qfuse
         >>> import onnxruntime as ort
+        >>> from qfuse.export.onnx import session_options
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         >>> x = torch.randn(4, 8)
@@ -100,7 +103,7 @@ def export_onnx(
         >>> qmodel = qfuse.convert(prepared)
         >>> path = os.path.join(tempfile.mkdtemp(), "model.onnx")
         >>> result = qfuse.export_onnx(qmodel, path, (x,))
-        >>> sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        >>> sess = ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
         >>> x7 = torch.randn(7, 8)
         >>> y = sess.run(None, {sess.get_inputs()[0].name: x7.numpy()})[0]
         >>> bool((torch.from_numpy(y) - qmodel(x7)).abs().max() < 1e-3)
