@@ -8,7 +8,7 @@ Bounds, relative to max |qfuse output| (measured values in brackets, 2-core AVX2
   touches its whole row: every output within 1e-2 [dynamic int8 MLP: 1.3e-3].
 - CNNs: QuantizeLinear divides by the scale where qfuse multiplies by its reciprocal and a
   Conv's bias is rounded to int32 for QLinearConv, so a few int8 activations land one step
-  apart: max |ort - qfuse| <= 2e-2 * max |qfuse| [digits 2.4e-3, ResNet block 1.7e-3].
+  apart: max |ort - qfuse| <= 2e-2 * max |qfuse| [digits 2.4e-3, TinyResNet 1.3e-2].
 Every session runs onnxruntime's precise int8 mode (``qfuse.export.onnx.session_options``):
 without it, this CPU's int8 GEMMs saturate (off by 4.6 of 12 on the digits logits).
 """
@@ -190,23 +190,22 @@ def test_digits_cnn_runs_int8_in_onnxruntime(digits, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def resnet_block():
-    from recipes.ptq_resnet import BasicBlock
-    from tests.cnn_blocks import reestimate_batchnorm
+def tiny_resnet():
+    from tests.cnn_blocks import TinyResNet, reestimate_batchnorm
 
     g = torch.Generator().manual_seed(0)
 
     def batch():
-        return torch.randn(8, 8, 12, 12, generator=g)
+        return torch.randn(4, 3, 16, 16, generator=g)
 
     torch.manual_seed(0)
-    block = reestimate_batchnorm(BasicBlock(8, 16, stride=2), batch)
-    return calibrate(block, qfuse.QConfig.int8_static(), [batch() for _ in range(4)]), batch()
+    model = reestimate_batchnorm(TinyResNet(), batch)  # basic blocks + bottleneck + max-pool
+    return calibrate(model, qfuse.QConfig.int8_static(), [batch() for _ in range(3)]), batch()
 
 
-def test_resnet_block_qdq_placement_and_outputs(resnet_block, tmp_path):
-    qmodel, x = resnet_block
-    path = tmp_path / "block.onnx"
+def test_resnet_qdq_placement_and_outputs(tiny_resnet, tmp_path):
+    qmodel, x = tiny_resnet
+    path = tmp_path / "resnet.onnx"
     result = qfuse.export_onnx(qmodel, path, (x,))
     onnx.checker.check_model(str(path), full_check=True)
     (out,) = run_ort(path, {"x": x[:3]})
@@ -215,16 +214,22 @@ def test_resnet_block_qdq_placement_and_outputs(resnet_block, tmp_path):
     assert rel_err(out, ref) <= CONV_RTOL
     model = onnx.load(str(path))
     inits = initializer_dtypes(model)
-    dqs = weight_dequantizers(model, "Conv")  # conv1, conv2 and the projection shortcut
-    assert len(dqs) == 3 and all(inits[dq.input[0]] == onnx.TensorProto.INT8 for dq in dqs)
-    # conv1 -> conv2 is qfuse's int8 hand-off: a QuantizeLinear at conv1's output scale that
-    # conv2's input DequantizeLinear reads; the residual add stays after conv2's float Conv
+    # stem, 2 + 3 convs in the basic blocks (one projection shortcut), 4 in the bottleneck
+    dqs = weight_dequantizers(model, "Conv")
+    assert len(dqs) == 10 and all(inits[dq.input[0]] == onnx.TensorProto.INT8 for dq in dqs)
+    assert len(result.layers) == 11  # and the Linear head
     producers = {o: n for n in model.graph.node for o in n.output}
-    conv2 = [n for n in model.graph.node if n.op_type == "Conv"][1]
-    dq_in = producers[conv2.input[0]]
-    assert dq_in.op_type == "DequantizeLinear"
-    assert producers[dq_in.input[0]].op_type == "QuantizeLinear"
-    assert result.layers["conv1"].endswith("Q (quantized hand-off)")
+    # the stem hands int8 through qfuse's int8 max-pool: DequantizeLinear -> MaxPool -> Quantize
+    (pool,) = [n for n in model.graph.node if n.op_type == "MaxPool"]
+    assert producers[pool.input[0]].op_type == "DequantizeLinear"
+    assert producers[producers[pool.input[0]].input[0]].op_type == "QuantizeLinear"
+    # every Conv reads a QuantizeLinear -> DequantizeLinear pair: its own input quantization or
+    # the producing layer's int8 hand-off
+    handoffs = [n for n in model.graph.node if n.op_type == "Conv"
+                and producers[producers[n.input[0]].input[0]].op_type == "QuantizeLinear"]
+    assert len(handoffs) == 10
+    ops = optimized_ops(str(path))
+    assert ops["QLinearConv"] >= 2 and ops["QGemm"] == 1
     assert any("bias rounded to int32" in n for n in result.notes)
 
 

@@ -125,7 +125,7 @@ def _module_of_attr(gm: fx.GraphModule, node, what: str, suffix: str):
     return gm.get_submodule(node.target[: -len(suffix)])
 
 
-def _pool_qparams(gm, node, act_dtype) -> ActivationQParams:
+def _pool_qparams(gm, node) -> ActivationQParams:
     src = node.args[0]
     mod = gm.get_submodule(src.target) if src.op == "call_module" else None
     if not isinstance(mod, QDQConv2d) or mod.out is None:
@@ -186,7 +186,7 @@ def rewrite(gm: fx.GraphModule, act_dtype: torch.dtype) -> tuple[fx.GraphModule,
             x, *pool_args = node.args
             count += 1
             name = f"qdq_pool_{count}"
-            gm.add_module(name, QDQMaxPool(tuple(pool_args), _pool_qparams(gm, node, act_dtype)))
+            gm.add_module(name, QDQMaxPool(tuple(pool_args), _pool_qparams(gm, node)))
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_module(name, (x,))
             node.replace_all_uses_with(new)
