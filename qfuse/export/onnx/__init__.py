@@ -2,9 +2,9 @@
 
 Route: the converted ``fx.GraphModule`` is copied, its fused layers rewritten as the QDQ pattern
 (``graph``, ``layers``) with qfuse's own scales, zero points and int8 weights, and the copy is
-exported with ``torch.onnx.export(dynamo=True)``; the three ops the rewrite adds translate to
-single ONNX nodes (``ops.TRANSLATIONS``). Every other op (embeddings, attention, norms, reshapes)
-goes through torch's own ONNX translation, so any model ``convert`` handles exports the same way.
+exported with ``torch.onnx.export(dynamo=True)``; the four ops the rewrite adds translate to
+single ONNX nodes (``ops.translations``). Every other op (embeddings, attention, norms,
+reshapes) goes through torch's own ONNX translation, as far as that covers the model's ops.
 """
 
 from __future__ import annotations
