@@ -22,7 +22,7 @@ from qfuse.errors import (
     ShapeError,
     UnsupportedError,
 )
-from qfuse.export import export_program, export_torchscript, load, save
+from qfuse.export import export_onnx, export_program, export_torchscript, load, save
 from qfuse.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
 from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.gptq import GPTQ
@@ -84,4 +84,5 @@ __all__ = [
     "export_program",
     "export_compressed_tensors",
     "load_compressed_tensors",
+    "export_onnx",
 ]
