@@ -19,6 +19,7 @@ from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.graph_utils import attr_tensor
+from qfuse.fusion.nonfinite import guard_graph, guard_model
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
@@ -150,11 +151,6 @@ def _build(chain: Chain, config, plan: _Plan, out_qparams, input_quantized, out_
     prologue = plan.prologue.get(chain.name)
     dtype = plan.dtypes[chain.name]
     fp8 = dtype == torch.float8_e4m3fn
-    if config.is_dynamic and chain.kind != "linear":
-        raise UnsupportedError(
-            f"layer {chain.name}: Conv2d is quantized with static scales only; use a static "
-            "QConfig (int8_static / fp8_static), or keep_float this layer."
-        )
     if fp8:
         # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
         to_fp8 = 127.5 / 448.0
@@ -206,7 +202,7 @@ def _record(chain: Chain, module, path: str, producer, readers, notes,
     if module.input_quantized:
         source = f"{qname} from {producer}"
     elif module.x_scale is None:
-        source = f"float → {qname} per token (dynamic)"
+        source = f"float → {qname} per {'token' if chain.kind == 'linear' else 'tensor'} (dynamic)"
     else:
         source = f"float → {qname} in prologue"
     if module.out_dtype in QUANT_NAMES:
@@ -381,6 +377,7 @@ def convert(
     ]
     inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
     eager_rewrites(gm)  # eager host time: view ops as tensor methods, no all-ones masks
+    guard_graph(gm)  # NaN/Inf in a quantized layer's input -> NaN out (fusion.nonfinite)
     state.skipped = kept + list(state.skipped)
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)
@@ -399,4 +396,5 @@ def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) ->
         if c.name in keep_float
     ]
     get_state(model).skipped[:0] = kept
+    guard_model(model)  # NaN/Inf in a quantized layer's input -> NaN out (fusion.nonfinite)
     return model
