@@ -25,6 +25,7 @@ from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.gptq import round_layer
+from qfuse.progress import progress
 from qfuse.nn import QConv2d, QLinear
 from qfuse.primitives import choose_qparams, inverse, weight_scale
 from qfuse.smoothquant import factors, smoothed_qparams
@@ -96,7 +97,7 @@ class _Plan:
             else:
                 self.prologue[name] = (inverse(s) * inverse(self.x_qparams[name][0])).float()
         per_channel = isinstance(state.config.weight_granularity, PerChannel)
-        for c in chains:
+        for c in progress([c for c in chains if c.name in hessians], "GPTQ rounding"):
             if c.name in hessians:  # after SmoothQuant: GPTQ rounds the weights that ship
                 scale = weight_scale(self.weights[c.name], dtypes[c.name], per_channel)
                 self.weights[c.name] = round_layer(

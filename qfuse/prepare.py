@@ -27,6 +27,7 @@ from qfuse.validate import (
     check_eval_mode,
     check_layer_globs,
     explain_nothing_quantized,
+    unlisted_float_layers,
 )
 
 
@@ -139,6 +140,7 @@ def prepare(
     skipped += leftover_gemms(gm)
     check_layer_globs(layer_configs, chains, "layer_configs")
     skipped += explain_nothing_quantized(type(model).__name__, chains, skipped)
+    skipped += unlisted_float_layers(model, chains, skipped)
     nodes = {n.name: n for n in gm.graph.nodes}
     smoothed = smoothquant_select(gm, chains, smoothquant) if smoothquant else []
     smoothed_inputs = {c.input for c in chains if c.name in smoothed}

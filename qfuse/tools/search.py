@@ -352,7 +352,8 @@ def search(
             continue
         try:
             qmodel, fb = auto_fallback(
-                s.prepared(best), eval_fn, max_drop, higher_is_better=higher_is_better
+                s.prepared(best), eval_fn, max_drop, higher_is_better=higher_is_better,
+                quiet=s.quiet,
             )
         except Exception as exc:  # noqa: BLE001 — a failed fallback leaves the other dtypes
             s.note("auto_fallback", f"{best.label()}: {error_text(exc)}")

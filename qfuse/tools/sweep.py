@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from qfuse.config import QConfig
 from qfuse.convert import convert
-from qfuse.errors import QFuseError
+from qfuse.errors import BackendError, QFuseError, UnsupportedError
 from qfuse.export import save
 from qfuse.sensitivity import call
 from qfuse.state import get_state
@@ -214,7 +214,12 @@ def run_sweep(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise QFuseError(f"unknown sweep configs {unknown}; choose from {', '.join(CONFIGS)}.")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendError(f"device {device}: CUDA is not available on this machine (torch "
+                           f"{torch.__version__}); sweep on the CPU with --device cpu.")
+    if device.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"device {device}: the sweep runs on cpu or cuda.")
     sweep = Sweep(spec, device, max_drop, tuple(modes), repeats, space, quiet)
     rows: list[dict] = []
     results = {
