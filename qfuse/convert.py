@@ -19,7 +19,8 @@ from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.nonfinite import guard_graph, guard_model
+from qfuse.fusion.guards import add_runtime_guards, guard_module_inputs
+from qfuse.fusion.nonfinite import guard_model
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
@@ -378,7 +379,7 @@ def convert(
     ]
     inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
     eager_rewrites(gm)  # eager host time: view ops as tensor methods, no all-ones masks
-    guard_graph(gm)  # NaN/Inf in a quantized layer's input -> NaN out (fusion.nonfinite)
+    add_runtime_guards(gm)  # input dtype/device checks, NaN/Inf marks (fusion.guards)
     state.skipped = kept + list(state.skipped)
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)
@@ -397,5 +398,5 @@ def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) ->
         if c.name in keep_float
     ]
     get_state(model).skipped[:0] = kept
-    guard_model(model)  # NaN/Inf in a quantized layer's input -> NaN out (fusion.nonfinite)
+    guard_model(model), guard_module_inputs(model)  # NaN/Inf marks, input checks (fusion)
     return model

@@ -32,3 +32,7 @@ class FormatError(QFuseError):
 class ModeError(QFuseError):
     """The model is in the wrong train/eval mode for this step (QAT trains in train mode,
     converts in eval mode)."""
+
+
+class DeviceError(QFuseError):
+    """An input on another device than the model (or on ``meta``, which holds no data)."""

@@ -170,7 +170,7 @@ def check_gemm_input_dtypes(gm: fx.GraphModule) -> None:
         val = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(val, torch.Tensor):
             continue
-        if val.is_floating_point() or val.dtype == torch.bool:
+        if val.is_floating_point():
             continue
         reader = next((u for u in node.users if u.target in gemms), None)
         if reader is not None:

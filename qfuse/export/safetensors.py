@@ -46,7 +46,7 @@ from qfuse.fileio import atomic_path
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.gated import merge_siblings
-from qfuse.fusion.nonfinite import guard_graph
+from qfuse.fusion.guards import add_runtime_guards
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
@@ -149,7 +149,7 @@ def load(
     fuse_maxpool_quant(gm)  # a conv saved with a quantized output pools quantized again
     inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
     eager_rewrites(gm)
-    guard_graph(gm)  # as convert did: NaN/Inf marks (fusion.nonfinite)
+    add_runtime_guards(gm)  # as convert did: input checks, NaN/Inf marks (fusion.guards)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.
