@@ -26,9 +26,9 @@ from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
 from qfuse.gptq import round_layer
-from qfuse.progress import progress
 from qfuse.nn import QConv2d, QLinear
 from qfuse.primitives import choose_qparams, inverse, weight_scale
+from qfuse.progress import progress
 from qfuse.smoothquant import factors, smoothed_qparams
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
 

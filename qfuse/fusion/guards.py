@@ -47,22 +47,25 @@ def check_input(x, what: str, dtype: torch.dtype | None, ref: torch.Tensor):
     return x
 
 
-def _reference_buffer(gm: fx.GraphModule) -> str | None:
-    """A tensor of the model whose device is the model's: a quantized weight, else the first
-    parameter or buffer (a prepared graph)."""
-    for name, module in gm.named_modules():
-        if isinstance(module, QuantizedModule):
-            return f"{name}.weight"
-    named = list(gm.named_parameters()) + list(gm.named_buffers())
-    return named[0][0] if named else None
+DEVICE_REF = "qfuse_device"
+
+
+def _reference_buffer(gm: fx.GraphModule) -> str:
+    """An empty buffer that follows the model's ``.to(device)`` and that no fusion pass removes
+    (a weight may be fused away); not persistent: saved files do not carry it."""
+    if DEVICE_REF not in dict(gm.named_buffers()):
+        tensors = list(gm.parameters()) + list(gm.buffers())
+        device = tensors[0].device if tensors else torch.device("cpu")
+        gm.register_buffer(DEVICE_REF, torch.empty(0, device=device), persistent=False)
+    return DEVICE_REF
 
 
 def guard_input_types(gm: fx.GraphModule) -> int:
     """Put ``check_input`` on every tensor input of ``gm`` (in place); returns how many (0 when
     it has them already: a converted copy of a prepared graph)."""
-    ref_target = _reference_buffer(gm)
-    if ref_target is None or any(n.target is check_input for n in gm.graph.nodes):
+    if any(n.target is check_input for n in gm.graph.nodes):
         return 0
+    ref_target = _reference_buffer(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"
                     and isinstance(n.meta.get("val"), torch.Tensor)]
     if not placeholders:

@@ -74,7 +74,7 @@ def guard_graph(gm: fx.GraphModule) -> int:
             with gm.graph.inserting_after(mark):
                 poisoned = gm.graph.call_function(poison_rows, (node, mark))
             poisoned.meta["val"] = node.meta.get("val")
-            node.replace_all_uses_with(poisoned, delete_user_cb=lambda u: u is not poisoned)
+            node.replace_all_uses_with(poisoned, delete_user_cb=lambda u, p=poisoned: u is not p)
             continue
         rows = val is not None and val.dim() >= 1 and str(val.shape[0]) == batch
         with gm.graph.inserting_after(source):

@@ -14,8 +14,8 @@ from qfuse.primitives import quantize_weight, quantize_weight_fp8
 class QConv2d(QuantizedModule):
     """int8 or fp8 Conv2d through ``qfuse::qconv2d``: the Triton implicit-GEMM kernel on CUDA,
     the PyTorch reference on CPU. ``x_scale=None`` quantizes the input with a per-tensor scale
-    computed from each batch (dynamic; symmetric). Weights are kept packed for the kernel (channels-last memory,
-    same shape) and outputs are channels-last.
+    computed from each batch (dynamic; symmetric). Weights are kept packed for the kernel
+    (channels-last memory, same shape) and outputs are channels-last.
 
     Example:
         >>> import torch

@@ -124,7 +124,9 @@ def _(x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale
     return empty_nhwc((n, weight.shape[0], oh, ow), out_dtype, x.device)
 
 
-def dynamic_input_qparams(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def dynamic_input_qparams(
+    x: torch.Tensor, qdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-tensor activation quantization of a conv input, on ``x``'s device with no host
     synchronisation: ``(scale, inv_scale)``, 0-d float32, ``scale = max(amax / qmax, eps)`` with
     qmax 127.5 for int8 (``primitives.choose_qparams``' symmetric convention) and 448 for fp8.

@@ -280,7 +280,10 @@ def _clamp_metric_axis(ax, metric: str, values: list[float]) -> None:
             artist.set_clip_on(False)
 
 
-_INLINE = ((re.compile(r"\*\*(.+?)\*\*"), r"<b>\1</b>"), (re.compile(r"`(.+?)`"), r"<code>\1</code>"))
+_INLINE = (
+    (re.compile(r"\*\*(.+?)\*\*"), r"<b>\1</b>"),
+    (re.compile(r"`(.+?)`"), r"<code>\1</code>"),
+)
 
 
 def _inline(text: str) -> str:
