@@ -19,8 +19,7 @@ from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.guards import add_runtime_guards, guard_module_inputs
-from qfuse.fusion.nonfinite import guard_model
+from qfuse.fusion.guards import add_module_guards, add_runtime_guards
 from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.pool_quant import fuse_maxpool_quant
@@ -398,5 +397,5 @@ def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) ->
         if c.name in keep_float
     ]
     get_state(model).skipped[:0] = kept
-    guard_model(model), guard_module_inputs(model)  # NaN/Inf marks, input checks (fusion)
+    add_module_guards(model)  # input dtype/device checks, NaN/Inf marks (fusion.guards)
     return model

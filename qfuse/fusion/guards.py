@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 
 from qfuse.errors import DeviceError, ShapeError, UnsupportedError
-from qfuse.fusion.nonfinite import guard_graph
+from qfuse.fusion.nonfinite import guard_graph, guard_model
 from qfuse.nn.base import QuantizedModule
 
 
@@ -112,3 +112,10 @@ def guard_module_inputs(model: nn.Module) -> int:
             module.register_forward_pre_hook(_check_hook)
             hooked += 1
     return hooked
+
+
+def add_module_guards(model: nn.Module) -> None:
+    """The same on a swapped model (``convert(output="model")``): each quantized layer checks
+    its input and marks its own non-finite rows (forward hooks)."""
+    guard_module_inputs(model)
+    guard_model(model)
