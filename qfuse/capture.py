@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
+import os
 import warnings
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from qfuse.errors import CaptureError
+from qfuse.errors import CaptureError, ShapeError
 from qfuse.fusion.gemms import canonicalize_gemms
 from qfuse.shapes import guard_inputs
+from qfuse.validate import (
+    check_example_tensors,
+    check_gemm_input_dtypes,
+    check_not_quantized,
+    warn_pinned_batch,
+)
 
 
 def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -55,9 +63,13 @@ def capture(
     kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    check_not_quantized(model)
+    check_example_tensors(example_inputs, kwargs)
+    modes = {m: m.training for m in model.modules()}  # the user's modes, restored below
     model.train(training)
     try:
-        with without_cache(model, kwargs) as kwargs:
+        with without_cache(model, kwargs) as kwargs, quiet_torch_logs():
+            dynamic_shapes_given = dynamic_shapes is not None
             if dynamic_shapes is None:
                 dynamic_shapes = default_dynamic_shapes(model, example_inputs, kwargs)
             elif isinstance(dynamic_shapes, dict):  # without the cache inputs dropped above
@@ -68,17 +80,71 @@ def capture(
             )
     except Exception as exc:  # export raises many types; all mean "could not capture"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        eager_failure = _eager_failure(model, example_inputs, kwargs)
+        if eager_failure is not None:
+            raise ShapeError(
+                f"{type(model).__name__} itself fails on the example inputs ({eager_failure}); "
+                f"pass example inputs the float model runs on (got {_shapes(example_inputs)})."
+            ) from None
         raise CaptureError(
             f"could not capture {type(model).__name__} with torch.export: {first_line}. "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, "
             "no unsupported Python side effects), pass example inputs of the shapes you serve, or "
             "quantize the traceable submodule instead."
         ) from exc
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
     gm = program.module()
+    check_gemm_input_dtypes(gm)
+    warn_pinned_batch(gm, dynamic_shapes if dynamic_shapes_given else None)
     follow_input_device(gm)
     guard_inputs(gm)
     canonicalize_gemms(gm)
     return gm
+
+
+# Loggers that print export's shape specialisations ("0/1 specialized") and fake-tensor
+# tracebacks of a failed capture on stderr; qfuse reports what matters as a warning or error.
+_NOISY_LOGGERS = ("torch._export", "torch.export", "torch._subclasses.fake_tensor",
+                  "torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch._functorch")
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """Silence torch's capture logs unless asked for (``TORCH_LOGS`` or ``QFUSE_VERBOSE=1``)."""
+    if os.environ.get("TORCH_LOGS") or os.environ.get("QFUSE_VERBOSE") == "1":
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:  # children without a level of their own follow (effective level)
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            # nn.LSTM's flat weights: export's advice is for the module's author, not our user
+            warnings.filterwarnings("ignore", message=".*were assigned during export")
+            yield
+    finally:
+        for lg, level in zip(loggers, saved, strict=True):
+            lg.setLevel(level)
+
+
+def _shapes(tree) -> str:
+    return str(pytree.tree_map(
+        lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, tree))
+
+
+def _eager_failure(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """The float model's own error on the example inputs (a wrong shape or dtype), or None when
+    it runs: then the capture, not the input, is the problem."""
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 — any error the model raises is the answer
+        text = str(exc).strip()
+        return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return None
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""``qfuse`` on the command line: ``qfuse sweep --recipe digits --configs ... --out reports/X``."""
+"""``qfuse`` on the command line: ``qfuse sweep --recipe digits --configs ... --out reports/X``
+(also ``python -m qfuse``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def _sweep_parser(sub) -> None:
         help="accuracy-vs-speed sweep of quantization configs on a recipe",
         description="Calibrate, convert, evaluate and time each config of a recipe; write "
         "report.md, results.json, pareto.png and report.html to --out.",
+        epilog="Exit status: 0 when every config ran, 1 when any config failed (its row in the "
+        "report says why), 2 for bad arguments.",
     )
     p.add_argument(
         "--recipe",
@@ -29,7 +32,7 @@ def _sweep_parser(sub) -> None:
     p.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"comma-separated, from {','.join(CONFIGS)} (default: all)",
+        help=f"comma-separated, from: {', '.join(CONFIGS)} (default: all)",
     )
     p.add_argument("--out", default=None, help="report directory (default reports/RECIPE)")
     p.add_argument(
@@ -55,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["sweep", "--recipe", "no_such_recipe", "--quiet"])
         2
     """
-    parser = argparse.ArgumentParser(prog="qfuse", description=__doc__.splitlines()[0])
+    from qfuse import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="qfuse",
+        description="qfuse: post-training quantization of PyTorch models to fused int8/fp8 "
+        "kernels. Run 'qfuse sweep --help' for the accuracy-vs-speed sweep.",
+    )
+    parser.add_argument("--version", action="version", version=f"qfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _sweep_parser(sub)
     args = parser.parse_args(argv)
@@ -88,6 +98,9 @@ def _sweep(args) -> int:
     with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
         print(f.read())
     failed = [r["config"] for r in results["rows"] if "error" in r]
-    note = f" ({len(failed)} configs failed: {', '.join(failed)})" if failed else ""
-    print(f"report: {os.path.join(out, 'report.md')}{note}")
+    print(f"report: {os.path.join(out, 'report.md')}")
+    if failed:
+        print(f"qfuse sweep: {len(failed)} of {len(results['rows'])} configs failed: "
+              f"{', '.join(failed)} (see their rows in the report)", file=sys.stderr)
+        return 1
     return 0

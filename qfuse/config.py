@@ -72,6 +72,14 @@ class QConfig:
     observer: str = "minmax"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.symmetric, bool):  # "no" would count as True
+            raise UnsupportedError(f"QConfig symmetric={self.symmetric!r}: pass True or False.")
+        if not isinstance(self.observer, str):
+            raise UnsupportedError(f"QConfig observer={self.observer!r}: pass an observer name "
+                                   f"({', '.join(sorted(OBSERVER_REGISTRY))}).")
+        if not isinstance(self.dtype, torch.dtype):
+            raise UnsupportedError(f"QConfig dtype={self.dtype!r}: pass torch.int8 or "
+                                   "torch.float8_e4m3fn.")
         _dtype_name(self.dtype)
         if not isinstance(self.weight_granularity, (PerTensor, PerChannel)):
             raise UnsupportedError(

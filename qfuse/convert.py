@@ -17,6 +17,7 @@ from torch import fx
 
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
+from qfuse.fusion.guards import add_module_guards, add_runtime_guards
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
@@ -78,11 +79,6 @@ def _build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, 
     prologue = plan.prologue.get(chain.name)
     dtype = plan.dtypes[chain.name]
     fp8 = dtype == torch.float8_e4m3fn
-    if config.is_dynamic and chain.kind != "linear":
-        raise UnsupportedError(
-            f"layer {chain.name}: Conv2d is quantized with static scales only; use a static "
-            "QConfig (int8_static / fp8_static), or keep_float this layer."
-        )
     if fp8:
         # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
         to_fp8 = 127.5 / 448.0
@@ -134,7 +130,7 @@ def _record(chain: Chain, module, path: str, producer, readers, notes,
     if module.input_quantized:
         source = f"{qname} from {producer}"
     elif module.x_scale is None:
-        source = f"float → {qname} per token (dynamic)"
+        source = f"float → {qname} per {'token' if chain.kind == 'linear' else 'tensor'} (dynamic)"
     else:
         source = f"float → {qname} in prologue"
     if module.out_dtype in QUANT_NAMES:
@@ -308,6 +304,7 @@ def convert(
         for c in state.chains
         if c.name in keep_float
     ]
+    add_runtime_guards(gm)  # input dtype/device checks, NaN/Inf marks (fusion.guards)
     state.skipped = kept + list(state.skipped)
     state.pipeline, state.passes = options, {**state.passes, **fused.records}
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
@@ -336,4 +333,5 @@ def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) ->
         if c.name in keep_float
     ]
     get_state(model).skipped[:0] = kept
+    add_module_guards(model)  # input dtype/device checks, NaN/Inf marks (fusion.guards)
     return model

@@ -37,3 +37,7 @@ class ModeError(QFuseError):
 class GraphMismatchError(QFuseError):
     """A graph pass recorded one rewrite and its replay found another (QAT's train-mode graph vs
     the eval-mode graph convert captures)."""
+
+
+class DeviceError(QFuseError):
+    """An input on another device than the model (or on ``meta``, which holds no data)."""

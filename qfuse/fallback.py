@@ -19,6 +19,7 @@ from torch import fx
 from qfuse.convert import convert
 from qfuse.errors import QFuseError
 from qfuse.observers.base import observers_disabled
+from qfuse.progress import progress_bar
 from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.state import get_state
 
@@ -51,11 +52,13 @@ def auto_fallback(
     data: Iterable | None = None,
     report: SensitivityReport | None = None,
     fallback: str = "float",
+    quiet: bool = False,
 ) -> tuple[fx.GraphModule, FallbackResult]:
     """Convert ``prepared`` with the fewest layers moved out of the config's precision (to float,
     or to fp8 with ``fallback="fp8"``) such that the metric drop <= max_drop.
 
     Returns ``(qmodel, FallbackResult)``. Pass a ``report`` from ``qfuse.sensitivity`` to reuse it.
+    A bar counts the evaluations (``quiet=True``, or stderr not a terminal, hides it).
     """
     if fallback not in FALLBACKS:
         raise QFuseError(f"fallback={fallback!r}: choose one of {FALLBACKS}.")
@@ -69,6 +72,7 @@ def auto_fallback(
             prepared, layer_dtypes={n: torch.float8_e4m3fn for n in layers}, notes=layers
         )
 
+    bar = progress_bar("auto_fallback evaluations", quiet)
     with observers_disabled(prepared):
         baseline = eval_fn(prepared)
     trace: list[tuple[tuple[str, ...], float]] = []
@@ -79,6 +83,7 @@ def auto_fallback(
     def evaluate(kept: tuple[str, ...]) -> float:
         metric = eval_fn(convert_with({n: "candidate" for n in kept}))
         trace.append((kept, metric))
+        bar.update()
         return metric
 
     # Cheap check first: the sensitivity pass below converts every layer once.
@@ -93,7 +98,7 @@ def auto_fallback(
     computed_report = report is None
     if computed_report:
         report = sensitivity(
-            prepared, data=data, eval_fn=eval_fn, higher_is_better=higher_is_better
+            prepared, data=data, eval_fn=eval_fn, higher_is_better=higher_is_better, quiet=quiet
         )
     ranking = [r.name for r in report.ranked()]
     rank_of = {r.name: (i, r) for i, r in enumerate(report.ranked())}
@@ -130,6 +135,7 @@ def auto_fallback(
         )
     qmodel = convert_with(reasons)
     metric = eval_fn(qmodel)
+    bar.close()
     # the searches, the final model, and the sensitivity pass if this call ran it
     evaluations = len(trace) + 1 + (len(report.rows) if computed_report else 0)
     result = FallbackResult(

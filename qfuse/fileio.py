@@ -31,6 +31,20 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def ensure_parent(path: str) -> None:
+    """Create ``path``'s folder (``qfuse.save("out/model.safetensors")`` into a new ``out``);
+    ``QFuseError`` when ``path`` is a folder or its folder cannot be made."""
+    from qfuse.errors import QFuseError
+
+    if os.path.isdir(path):
+        raise QFuseError(f"{path} is a folder; pass the path of a file inside it.")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as exc:
+        raise QFuseError(f"cannot create the folder of {path}: {exc.strerror}; pass a path in "
+                         "a writable folder.") from exc
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temp path in ``path``'s directory; when the block succeeds, move it onto ``path``.
@@ -51,6 +65,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
     ext = os.path.splitext(name)[1]
+    ensure_parent(path)
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.partial{ext}")
     try:
         yield tmp

@@ -69,7 +69,11 @@ class GPTQ:
 def select(chains: list[Chain], cfg: GPTQ) -> list[str]:
     """Names of the chains GPTQ rounds: Linear and ungrouped Conv2d, filtered by ``cfg.layers``.
 
-    A glob naming a grouped Conv2d is an error (its rows mix independent groups)."""
+    A glob naming a grouped Conv2d is an error (its rows mix independent groups), and so is a
+    glob that matches no layer or a selection left empty."""
+    from qfuse.validate import check_layer_globs
+
+    check_layer_globs(dict.fromkeys(cfg.layers or ()), chains, "GPTQ(layers=...)")
     picked = []
     for chain in chains:
         if cfg.layers is not None and not any(
@@ -84,6 +88,11 @@ def select(chains: list[Chain], cfg: GPTQ) -> list[str]:
                 )
             continue
         picked.append(chain.name)
+    if not picked:
+        raise UnsupportedError(
+            "GPTQ: no layer to round (GPTQ rounds Linear and ungrouped Conv2d layers; this model "
+            f"has {sorted(c.name for c in chains)[:8]}); drop gptq= from qfuse.prepare."
+        )
     return picked
 
 

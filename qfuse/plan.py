@@ -17,6 +17,7 @@ from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
 from qfuse.gptq import round_layer
 from qfuse.primitives import choose_qparams, inverse, weight_scale
+from qfuse.progress import progress
 from qfuse.smoothquant import factors, smoothed_qparams
 
 
@@ -103,9 +104,7 @@ class GPTQTransform:
         self.gptq, self.hessians, self.per_channel = gptq, hessians, per_channel
 
     def apply(self, plan: LayerPlan) -> None:
-        for c in plan.chains:
-            if c.name not in self.hessians:
-                continue
+        for c in progress([c for c in plan.chains if c.name in self.hessians], "GPTQ rounding"):
             dtype = plan.dtypes[c.name]
             scale = weight_scale(plan.weights[c.name], dtype, self.per_channel)
             plan.weights[c.name] = round_layer(

@@ -11,6 +11,7 @@ from qfuse.capture import capture
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
+from qfuse.fusion.guards import guard_input_types
 from qfuse.fusion.patterns import Chain
 from qfuse.gptq import GPTQ
 from qfuse.gptq import select as gptq_select
@@ -25,6 +26,7 @@ from qfuse.validate import (
     check_eval_mode,
     check_layer_globs,
     explain_nothing_quantized,
+    unlisted_float_layers,
 )
 
 
@@ -167,6 +169,7 @@ def prepare_pipeline(
     chains, skipped = run.chains, run.skipped
     check_layer_globs(layer_configs, chains, "layer_configs")
     skipped += explain_nothing_quantized(type(model).__name__, chains, skipped)
+    skipped += unlisted_float_layers(model, chains, skipped)
     nodes = {n.name: n for n in gm.graph.nodes}
     smoothed = smoothquant_select(gm, chains, smoothquant) if smoothquant else []
     smoothed_inputs = {c.input for c in chains if c.name in smoothed}
@@ -196,6 +199,7 @@ def prepare_pipeline(
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
     folded = run.records.get("fold_batchnorm", [])
+    guard_input_types(gm)  # wrong dtype/device: a QFuseError naming the input (fusion.guards)
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
     state.merged, state.pipeline, state.passes = run.merged, options, dict(run.records)
     state.smoothquant, state.smoothed = smoothquant, smoothed

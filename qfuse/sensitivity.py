@@ -22,6 +22,7 @@ from qfuse.errors import QFuseError
 from qfuse.fileio import atomic_savefig
 from qfuse.observers.base import observers_disabled
 from qfuse.prepare import prepare
+from qfuse.progress import progress
 from qfuse.state import get_state
 
 
@@ -122,7 +123,7 @@ class SensitivityReport:
         return path
 
 
-def _prepared(model, config, batches: list) -> fx.GraphModule:
+def _prepared(model, config, batches: list, quiet: bool = False) -> fx.GraphModule:
     """``model`` itself when it is a prepared model, else ``model`` prepared with ``config`` and
     calibrated on ``batches``."""
     state = get_state(model)
@@ -142,7 +143,7 @@ def _prepared(model, config, batches: list) -> fx.GraphModule:
         raise QFuseError("qfuse.sensitivity on a float model needs data: its calibration batches.")
     args, kwargs = split_batch(batches[0])
     prepared = prepare(model, config, args, example_kwargs=kwargs or None)
-    for batch in batches:
+    for batch in progress(batches, "calibrating", quiet):
         call(prepared, batch)
     return prepared
 
@@ -156,12 +157,15 @@ def sensitivity(
     *,
     higher_is_better: bool = True,
     layers: Iterable[str] | None = None,
+    quiet: bool = False,
 ) -> SensitivityReport:
     """Per-layer quantization error: each fusible layer quantized alone.
 
     ``model``: a calibrated ``qfuse.prepare`` result, or a float model with its ``config`` (it
     is then prepared and calibrated on ``data``). ``data``: batches (tensor, args tuple or kwargs
     dict) for output SQNR; ``eval_fn(model) -> float``: the user's metric. At least one is needed.
+    ``layers``: the layer names to measure (default all). A bar shows the layers measured
+    (``quiet=True``, or stderr not a terminal, hides it).
 
     Example:
         >>> import torch, qfuse
@@ -180,17 +184,20 @@ def sensitivity(
     if data is None and eval_fn is None:
         raise QFuseError("qfuse.sensitivity needs data (batches) or an eval_fn to measure with.")
     batches = list(data) if data is not None else []
-    prepared = _prepared(model, config, batches)
+    prepared = _prepared(model, config, batches, quiet)
     state = get_state(prepared)
     with observers_disabled(prepared):
         reference = [call(prepared, b) for b in batches]
         baseline = eval_fn(prepared) if eval_fn is not None else None
     names = [c.name for c in state.chains]
     selected = list(layers) if layers is not None else names
+    unknown = sorted(set(selected) - set(names))
+    if unknown:
+        raise QFuseError(f"qfuse.sensitivity layers {unknown} are not quantizable layers of this "
+                         f"model; choose from {names[:8]}{' ...' if len(names) > 8 else ''}.")
     rows = []
-    for chain in state.chains:
-        if chain.name not in selected:
-            continue
+    chains = [c for c in state.chains if c.name in selected]
+    for chain in progress(chains, "sensitivity", quiet):
         others = {n: "sensitivity probe" for n in names if n != chain.name}
         qmodel = convert(prepared, keep_float=others)
         sqnr = output_sqnr_db(reference, [call(qmodel, b) for b in batches]) if batches else None

@@ -37,8 +37,10 @@ class SmoothQuant:
     def __post_init__(self) -> None:
         from qfuse.errors import UnsupportedError
 
-        if not 0.0 <= self.alpha <= 1.0:
-            raise UnsupportedError(f"SmoothQuant alpha={self.alpha} must lie in [0, 1].")
+        if not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0:
+            raise UnsupportedError(f"SmoothQuant alpha={self.alpha!r} must lie in [0, 1].")
+        if isinstance(self.layers, str):
+            raise UnsupportedError("SmoothQuant layers takes a tuple of globs, not one string.")
 
 
 def _source(node: fx.Node) -> fx.Node:
@@ -49,9 +51,15 @@ def _source(node: fx.Node) -> fx.Node:
 
 
 def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[str]:
-    """Names of the Linear chains to smooth."""
+    """Names of the Linear chains to smooth; ``UnsupportedError`` when a glob of ``cfg.layers``
+    matches no Linear or no layer is eligible (smoothing nothing would be a silent no-op)."""
     import fnmatch
 
+    from qfuse.errors import UnsupportedError
+    from qfuse.validate import check_layer_globs
+
+    linears = [c for c in chains if c.kind == "linear"]
+    check_layer_globs(dict.fromkeys(cfg.layers or ()), linears, "SmoothQuant(layers=...)")
     nodes = {n.name: n for n in gm.graph.nodes}
     linear_outputs = {c.output for c in chains if c.kind == "linear" and len(c.nodes) == 1}
     picked = []
@@ -65,6 +73,12 @@ def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[st
         src = _source(nodes[chain.input])
         if src.target == aten.layer_norm.default or src.name in linear_outputs:
             picked.append(chain.name)
+    if not picked:
+        raise UnsupportedError(
+            "SmoothQuant: no layer is eligible (it smooths Linear layers fed by a LayerNorm or "
+            f"directly by another Linear; this model's Linears: {[c.name for c in linears][:8]}); "
+            "name the Linears to smooth with SmoothQuant(layers=(...)) or drop smoothquant=."
+        )
     return picked
 
 

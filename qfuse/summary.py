@@ -68,6 +68,28 @@ def _kernel(module) -> str:
     return f"{name} ({device.type})"
 
 
+def _pattern(state, model, name: str, pattern: str) -> str:
+    """A Conv1d runs as a height-1 Conv2d; the summary names the layer the user wrote."""
+    if not pattern.startswith("Conv2d"):
+        return pattern
+    from torch import nn
+
+    from qfuse.nn.qconv1d import QConv1d
+
+    layers = [model]
+    if state.source is not None:
+        layers.insert(0, state.source.model)
+    for root in layers:
+        for path in (name, name.rsplit(".", 1)[0] if name.endswith(".conv") else None):
+            try:
+                module = root.get_submodule(path) if path else None
+            except AttributeError:
+                continue
+            if isinstance(module, (nn.Conv1d, QConv1d)):
+                return "Conv1d" + pattern[len("Conv2d"):]
+    return pattern
+
+
 def summary(model: fx.GraphModule) -> Summary:
     """Per layer: the fused pattern, precision, the kernel that runs now, scales, and notes.
 
@@ -87,7 +109,7 @@ def summary(model: fx.GraphModule) -> Summary:
             rows.append(
                 dict(
                     name=rec.name,
-                    pattern=rec.pattern,
+                    pattern=_pattern(state, model, rec.name, rec.pattern),
                     precision=rec.precision,
                     kernel=_kernel(mod),
                     input=rec.input,
@@ -103,7 +125,7 @@ def summary(model: fx.GraphModule) -> Summary:
             rows.append(
                 dict(
                     name=chain.name,
-                    pattern=chain.pattern,
+                    pattern=_pattern(state, model, chain.name, chain.pattern),
                     precision="float (observing)",
                     kernel="",
                     input="",
@@ -115,7 +137,7 @@ def summary(model: fx.GraphModule) -> Summary:
         rows.append(
             dict(
                 name=skip.name,
-                pattern=skip.kind.capitalize(),
+                pattern=skip.kind if skip.kind[:1].isupper() else skip.kind.capitalize(),
                 precision="float",
                 kernel="aten (not quantized)",
                 input="",

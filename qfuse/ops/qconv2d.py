@@ -15,6 +15,7 @@ from qfuse.errors import ShapeError, UnsupportedError
 from qfuse.kernels.layout import as_nhwc, empty_nhwc
 from qfuse.ops import reference
 from qfuse.ops.backend import Backend, resolve_backend
+from qfuse.primitives import SCALE_EPS, divide
 
 FP8 = torch.float8_e4m3fn
 QUANTIZED_DTYPES = (torch.int8, FP8)
@@ -39,8 +40,8 @@ def _check(x, weight, x_inv_scale, x_zero_point, out_inv_scale, out_dtype, group
         )
     if x.dtype not in QUANTIZED_DTYPES and x_inv_scale is None:
         raise UnsupportedError(
-            "qfuse::qconv2d: a float input needs x_inv_scale (convolutions use static "
-            "per-tensor activation scales)."
+            "qfuse::qconv2d: a float input needs x_inv_scale (a per-tensor activation scale: "
+            "static, or computed on the fly by QConv2d with dynamic_input_qparams)."
         )
     if x_inv_scale is not None and x_inv_scale.numel() != 1:
         raise UnsupportedError(
@@ -121,6 +122,33 @@ def _(x, weight, scale, bias, x_inv_scale, x_zero_point, residual, out_inv_scale
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     return empty_nhwc((n, weight.shape[0], oh, ow), out_dtype, x.device)
+
+
+def dynamic_input_qparams(
+    x: torch.Tensor, qdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-tensor activation quantization of a conv input, on ``x``'s device with no host
+    synchronisation: ``(scale, inv_scale)``, 0-d float32, ``scale = max(amax / qmax, eps)`` with
+    qmax 127.5 for int8 (``primitives.choose_qparams``' symmetric convention) and 448 for fp8.
+
+    ``amax`` is over the finite values: one NaN or Inf sample must not change the scale the
+    other samples of its batch are quantized with (``fusion.nonfinite`` marks it instead).
+    The scale then runs the static conv path as a device tensor (``QConv2d``).
+
+    Example:
+        >>> x = torch.tensor([[-2.55, 1.0, float("nan")]])
+        >>> s, inv = dynamic_input_qparams(x, torch.int8)
+        >>> round(s.item(), 6)
+        0.02
+    """
+    x = x.to(torch.float32)
+    qmax = 448.0 if qdtype == FP8 else 127.5
+    if x.numel() == 0:  # an empty batch: any scale quantizes nothing
+        amax = x.new_zeros(())
+    else:
+        amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
+    scale = torch.clamp(divide(amax, qmax), min=SCALE_EPS)
+    return scale, torch.reciprocal(scale)
 
 
 def _eager(x: torch.Tensor) -> bool:

@@ -8,23 +8,15 @@ search's first candidate), and ``auto_fallback`` converts one prepared model man
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 
 from qfuse.config import QConfig
 from qfuse.gptq import GPTQ
 from qfuse.prepare import prepare
+from qfuse.progress import progress
 from qfuse.sensitivity import call, split_batch
 from qfuse.smoothquant import SmoothQuant
-
-
-def progress(iterable, desc: str, quiet: bool = False, total: int | None = None):
-    """``tqdm`` over ``iterable``, silent when asked or when stderr is not a terminal."""
-    from tqdm.auto import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    return tqdm(iterable, desc=desc, total=total, disable=disable, leave=False)
 
 
 def key_of(config: QConfig, smoothquant: float | None, gptq: bool) -> str:

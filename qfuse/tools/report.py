@@ -12,6 +12,7 @@ import html
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 
@@ -81,6 +82,15 @@ def _per_mode(values: dict | None, fmt: str, unit: str) -> str:
     return ", ".join(f"{m} {format(v, fmt)}{unit}" for m, v in (values or {}).items())
 
 
+def _ratio(v: float) -> str:
+    """A speed-up: two decimals, or two significant digits below 0.1 (never "0.00×")."""
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"
+
+
+def _ratios(values: dict | None) -> str:
+    return ", ".join(f"{m} {_ratio(v)}×" for m, v in (values or {}).items())
+
+
 def table_cells(row: dict) -> list[str]:
     """The report.md cells of one row (also what tests compare with results.json)."""
     label = row["config"]
@@ -92,10 +102,10 @@ def table_cells(row: dict) -> list[str]:
     return [
         label,
         f"{row['metric']:.5f}",
-        "" if row.get("delta") is None else f"{row['delta']:+.5f}",
+        "" if row.get("delta") is None else f"{row['delta'] + 0.0:+.5f}",
         _per_mode(row.get("latency_ms"), ".3f", " ms"),
-        _per_mode(row.get("speedup"), ".2f", "×"),
-        _per_mode(row.get("speedup_vs_bf16"), ".2f", "×"),
+        _ratios(row.get("speedup")),
+        _ratios(row.get("speedup_vs_bf16")),
         _size(row.get("size_bytes")) or row.get("size_error", ""),
         fused,
     ]
@@ -174,11 +184,15 @@ def _search_section(s: dict) -> list[str]:
     out = [
         "## best: the search path",
         "",
-        f"Chosen: **{c['label']}** — validation metric {s['metric']:.5f} (float "
+        f"Search winner: **{c['label']}** — validation metric {s['metric']:.5f} (float "
         f"{s['baseline']:.5f}, drop {s['drop']:.5f} <= max-drop {s['max_drop']:g}), "
-        f"{s['latency_ms']:.3f} ms eager; {s['evaluations']} steps.",
+        f"{s['latency_ms']:.3f} ms eager in the search's own timing (the table re-times every "
+        f"row; on a busy machine the two differ by its noise); {s['evaluations']} steps.",
         "",
     ]
+    versus = next((st for st in s["path"] if st["stage"] == "vs float"), None)
+    if versus is not None and not versus["meets"]:
+        out += [f"Reported as best: float, not the winner ({versus['note']}).", ""]
     if c["keep_float"]:
         out += [f"Kept float: {', '.join(c['keep_float'])}.", ""]
     return out + _path_table(s["path"])
@@ -241,6 +255,7 @@ def plot_pareto(results: dict, path: str) -> str | None:
     ax.plot(fx, fy, "-o", color="#d62728", zorder=3, label="Pareto front")
     for r, (x, y) in zip(rows, pts, strict=True):
         ax.annotate(r["config"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    _clamp_metric_axis(ax, results["metric"], [p[1] for p in pts])
     ax.set_xscale("log")
     ax.set_xlabel(f"latency, {mode} (ms, log scale) — {results['environment']['device']}")
     ax.set_ylabel(results["metric"])
@@ -252,6 +267,36 @@ def plot_pareto(results: dict, path: str) -> str | None:
         return atomic_savefig(fig, path, dpi=120)
     finally:
         plt.close(fig)
+
+
+def _clamp_metric_axis(ax, metric: str, values: list[float]) -> None:
+    """A percentage axis stops at 100 % and a [0, 1] score at 1 (matplotlib's margin ran the
+    digits axis to 105 %); the markers on the edge are drawn whole."""
+    bound = 100.0 if "%" in metric else 1.0 if all(0.0 <= v <= 1.0 for v in values) else None
+    lo, hi = ax.get_ylim()
+    if bound is not None and hi > bound >= max(values):
+        ax.set_ylim(lo, bound)
+        for artist in ax.collections + ax.lines:
+            artist.set_clip_on(False)
+
+
+_INLINE = (
+    (re.compile(r"\*\*(.+?)\*\*"), r"<b>\1</b>"),
+    (re.compile(r"`(.+?)`"), r"<code>\1</code>"),
+)
+
+
+def _inline(text: str) -> str:
+    """Escaped text with markdown's **bold** and `code` as HTML.
+
+    Example:
+        >>> _inline("Status: **complete** <ok> `x`")
+        'Status: <b>complete</b> &lt;ok&gt; <code>x</code>'
+    """
+    out = html.escape(text)
+    for pattern, repl in _INLINE:
+        out = pattern.sub(repl, out)
+    return out
 
 
 def _html(markdown: str, out: str) -> str:
@@ -267,12 +312,12 @@ def _html(markdown: str, out: str) -> str:
             cells = [c.strip() for c in line.strip("|").split("|")]
             if set("".join(cells)) <= {"-"}:
                 continue
-            body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+            body.append("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>")
         elif line.startswith("#"):
             level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
+            body.append(f"<h{level}>{_inline(line.lstrip('# '))}</h{level}>")
         elif line.strip():
-            body.append(f"<p>{html.escape(line)}</p>")
+            body.append(f"<p>{_inline(line)}</p>")
     text = "\n".join(body).replace("</tr>\n<p>", "</tr></table>\n<p>")
     page, in_table = [], False
     for part in text.split("\n"):

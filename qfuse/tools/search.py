@@ -12,7 +12,9 @@ speed is decided by the dtype and the layers kept float. The search therefore:
 3. if still short, ``qfuse.auto_fallback`` keeps the fewest layers float (slower, so measured);
 4. prunes a dtype whose plain latency is already slower than a config that meets the budget.
 
-Every evaluation is a step of ``SearchResult.path``; the winner is the fastest that met the budget.
+Every evaluation is a step of ``SearchResult.path``; the winner is the fastest that met the budget,
+re-timed against the other winners in interleaved rounds; within ``timing.NOISE_MARGIN`` of the
+fastest, the better metric wins (the same inputs give the same choice, timing noise aside).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from qfuse.gptq import GPTQ
 from qfuse.sensitivity import call
 from qfuse.smoothquant import SmoothQuant
 from qfuse.tools.calibrate import Calibrations, key_of, progress
-from qfuse.tools.timing import error_text, median_ms
+from qfuse.tools.timing import error_text, fastest, median_ms, repeated_ms
 
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -271,6 +273,20 @@ def _climb(s: _Search, start: Candidate, space: SearchSpace, dtype: str) -> Cand
     return best
 
 
+def _pick(s: _Search, winners: list[Candidate]) -> Candidate:
+    """The fastest winner by timings repeated and interleaved (``repeated_ms``); winners within
+    the noise margin of it tie, and the better metric (then the label) breaks the tie."""
+    by_label = {c.label(): c for c in winners}
+    if len(by_label) > 1:
+        times = repeated_ms({k: (lambda c=c: s.time_fn(s.models[c])) for k, c in by_label.items()})
+        for label, ms in times.items():
+            s.latency[by_label[label]] = ms
+    else:
+        times = {k: s.latency[c] for k, c in by_label.items()}
+    rank = {k: (s.sign * -s.metrics[c],) for k, c in by_label.items()}
+    return by_label[fastest(times, rank)]
+
+
 @torch.no_grad()
 def search(
     model: torch.nn.Module,
@@ -352,7 +368,8 @@ def search(
             continue
         try:
             qmodel, fb = auto_fallback(
-                s.prepared(best), eval_fn, max_drop, higher_is_better=higher_is_better
+                s.prepared(best), eval_fn, max_drop, higher_is_better=higher_is_better,
+                quiet=s.quiet,
             )
         except Exception as exc:  # noqa: BLE001 — a failed fallback leaves the other dtypes
             s.note("auto_fallback", f"{best.label()}: {error_text(exc)}")
@@ -375,7 +392,7 @@ def search(
             "SearchSpace.",
             s.path,
         )
-    win = min(winners, key=lambda c: (s.latency[c], s.sign * -s.metrics[c]))
+    win = _pick(s, winners)
     m = s.metrics[win]
     return SearchResult(
         win,

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from qfuse.config import QConfig
 from qfuse.convert import convert
-from qfuse.errors import QFuseError
+from qfuse.errors import BackendError, QFuseError, UnsupportedError
 from qfuse.export import save
 from qfuse.sensitivity import call
 from qfuse.state import get_state
@@ -29,8 +29,8 @@ from qfuse.summary import summary
 from qfuse.tools.calibrate import Calibrations, progress
 from qfuse.tools.recipes import SweepSpec
 from qfuse.tools.report import write_report
-from qfuse.tools.search import SearchError, SearchSpace, search
-from qfuse.tools.timing import MODES, error_text, latency, median_ms
+from qfuse.tools.search import SearchError, SearchSpace, Step, search
+from qfuse.tools.timing import MODES, error_text, fastest, latency, median_ms, repeated_ms
 
 PRESETS: dict[str, Callable[[], QConfig]] = {
     "int8_static": QConfig.int8_static,
@@ -137,8 +137,35 @@ class Sweep:
                 quiet=self.quiet,
             )
             self.search_result = r
-            return r.qmodel.to(self.device), None, r.candidate.label()
+            return self._quantized_or_float(r)
         raise QFuseError(f"unknown sweep config {name!r}; choose from {', '.join(CONFIGS)}.")
+
+    def _quantized_or_float(self, r):
+        """``best`` is the search's winner only if it beats the float models a user would run
+        instead: fp32, and bf16 when it meets the budget, timed with it in interleaved rounds.
+        Within the noise margin the more accurate one (float) wins."""
+        spec, sign = self.spec, 1.0 if self.spec.higher_is_better else -1.0
+        runs = {"quantized": (r.qmodel.to(self.device), None)}
+        runs["fp32"] = (copy.deepcopy(spec.model).to(self.device), None)
+        bf16 = copy.deepcopy(spec.model).to(self.device, torch.bfloat16)
+        bf16_metric = float(spec.validate(OnDevice(bf16, self.device, torch.bfloat16)))
+        if sign * (r.baseline - bf16_metric) <= self.max_drop:
+            runs["bf16"] = (bf16, torch.bfloat16)
+        warmup = max(1, self.repeats // 3)
+
+        def timer(model, dtype):
+            batch = self.example(dtype)
+            return lambda: median_ms(lambda: call(model, batch), self.device, warmup, self.repeats)
+
+        times = repeated_ms({k: timer(m, d) for k, (m, d) in runs.items()})
+        pick = fastest(times, {"fp32": (0,), "bf16": (1,), "quantized": (2,)})
+        shown = ", ".join(f"{k} {ms:.3g} ms" for k, ms in sorted(times.items()))
+        r.path.append(Step("vs float", r.candidate.label(), None, None, times["quantized"],
+                           pick == "quantized", f"interleaved medians: {shown}; chose {pick}"))
+        if pick == "quantized":
+            return r.qmodel, None, r.candidate.label()
+        model, dtype = runs[pick]
+        return model, dtype, f"{pick}: no quantized config beat it ({shown})"
 
     @torch.no_grad()
     def run(self, name: str) -> dict:
@@ -182,7 +209,7 @@ def _derive(rows: list[dict], higher_is_better: bool) -> None:
         if "metric" not in r:
             continue
         if base is not None:
-            r["delta"] = sign * (r["metric"] - base["metric"])
+            r["delta"] = sign * (r["metric"] - base["metric"]) + 0.0  # no "-0.00000"
             r["speedup"] = ratios(base, r)
         if bf16 is not None:
             r["speedup_vs_bf16"] = ratios(bf16, r)
@@ -214,7 +241,12 @@ def run_sweep(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise QFuseError(f"unknown sweep configs {unknown}; choose from {', '.join(CONFIGS)}.")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendError(f"device {device}: CUDA is not available on this machine (torch "
+                           f"{torch.__version__}); sweep on the CPU with --device cpu.")
+    if device.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"device {device}: the sweep runs on cpu or cuda.")
     sweep = Sweep(spec, device, max_drop, tuple(modes), repeats, space, quiet)
     rows: list[dict] = []
     results = {

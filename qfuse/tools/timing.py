@@ -142,3 +142,41 @@ def error_text(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [""]
     text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
     return f"{type(exc).__name__}: {text[:300]}"
+
+
+# Two configs whose medians differ by less than this are a tie on a shared machine: repeated
+# CPU medians of one model on the 2-core CI machine spread by several percent under load.
+NOISE_MARGIN = 0.05
+
+
+def repeated_ms(
+    fns: dict[str, Callable[[], float]], rounds: int = 3
+) -> dict[str, float]:
+    """Median over ``rounds`` of each ``fns[name]()`` (a timing in ms), the candidates
+    interleaved round by round so that a slow spell of the machine hits them all alike.
+
+    Example:
+        >>> t = repeated_ms({"a": lambda: 2.0, "b": lambda: 1.0})
+        >>> t["a"], t["b"]
+        (2.0, 1.0)
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name in sorted(fns):
+            samples[name].append(float(fns[name]()))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def fastest(times: dict[str, float], rank: dict[str, tuple], margin: float = NOISE_MARGIN) -> str:
+    """The name with the lowest time, where times within ``margin`` of the lowest tie and the
+    tie goes to the lowest ``rank`` (e.g. better metric, then a fixed order): the same
+    measurements up to noise give the same choice.
+
+    Example:
+        >>> fastest({"int8": 1.00, "fp8": 0.98, "bf16": 2.0}, {"int8": (0,), "fp8": (1,),
+        ...                                                    "bf16": (2,)})
+        'int8'
+    """
+    low = min(times.values())
+    tied = [n for n, t in times.items() if t <= low * (1.0 + margin)]
+    return min(tied, key=lambda n: (rank[n], n))
