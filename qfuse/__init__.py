@@ -14,6 +14,7 @@ from qfuse.errors import (
     CalibrationError,
     CaptureError,
     FormatError,
+    GraphMismatchError,
     ModeError,
     QFuseError,
     ShapeError,
@@ -23,6 +24,7 @@ from qfuse.export import export_program, export_torchscript, load, save
 from qfuse.fallback import FallbackResult, auto_fallback
 from qfuse.gptq import GPTQ
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
+from qfuse.pipeline import PipelineOptions
 from qfuse.prepare import prepare
 from qfuse.qat import QATConfig, prepare_qat, sync_observers
 from qfuse.routing import CostModel, RoutePlan, route
@@ -41,10 +43,12 @@ __all__ = [
     "CostModel",
     "FallbackResult",
     "FormatError",
+    "GraphMismatchError",
     "ModeError",
     "PerChannel",
     "PerTensor",
     "PerToken",
+    "PipelineOptions",
     "QATConfig",
     "QConfig",
     "QFuseError",

@@ -8,23 +8,21 @@ whose output is read only by other quantized chains that agree on one input scal
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Mapping
 
 import torch
 from torch import fx
 
-from qfuse.capture import inline_grad_wrappers
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
-from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.norm_quant import fuse_layernorm_quant
 from qfuse.fusion.patterns import Chain, Skipped
-from qfuse.fusion.pool_quant import fuse_maxpool_quant
-from qfuse.fusion.rewrite import fuse_chains, module_paths, remove_observers
+from qfuse.fusion.rewrite import module_paths, remove_observers
 from qfuse.gptq import round_layer
 from qfuse.nn import QConv2d, QLinear
+from qfuse.pipeline import PipelineOptions, run_fused
 from qfuse.primitives import choose_qparams, inverse, weight_scale
 from qfuse.smoothquant import factors, smoothed_qparams
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
@@ -232,8 +230,8 @@ def convert(
     layer_dtypes: Mapping[str, torch.dtype] | None = None,
     notes: Mapping[str, str] | None = None,
     output: str = "graph",
-    fuse_norms: bool = True,
-    fuse_pools: bool = True,
+    fuse_norms: bool | None = None,
+    fuse_pools: bool | None = None,
 ) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -253,7 +251,8 @@ def convert(
     in the same kernel (``fusion.norm_quant``; False keeps ATen's LayerNorm and the readers
     quantize in their prologue). ``fuse_pools`` lets a conv read only through a max-pool by
     fused convs requantize for them, the pool then runs on int8/fp8 (``fusion.pool_quant``;
-    False keeps ATen's float max-pool).
+    False keeps ATen's float max-pool). Both default to the ``PipelineOptions`` given to
+    ``prepare`` (all on); ``qfuse.save`` records the options and ``qfuse.load`` replays them.
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -285,6 +284,7 @@ def convert(
         )
     if output not in ("graph", "model"):
         raise UnsupportedError(f"output={output!r}: use 'graph' or 'model'.")
+    options = _options(state, fuse_norms=fuse_norms, fuse_pools=fuse_pools)
     if output == "model":
         return _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace)
     with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
@@ -357,8 +357,8 @@ def convert(
                 res_readers,
             )
         )
-    fuse_chains(gm, state.chains, modules)
-    pooled = fuse_maxpool_quant(gm) if fuse_pools else {}
+    fused = run_fused(gm, state.chains, modules, options)
+    pooled = fused.results.get("fuse_pools") or {}
     for rec in layers:  # the records were written before the pool pass changed these layers
         if rec.name in pooled:
             pool, readers = pooled[rec.name]
@@ -369,22 +369,29 @@ def convert(
             elif f"{rec.name} (residual)" in readers:
                 rec.note = "; ".join(filter(None, [rec.note, f"residual quantized from {producer}"
                                                   f" through {pool}"]))
-    if fuse_norms:
-        from_norm = fuse_layernorm_quant(gm)
-        for rec in layers:
-            if rec.name in from_norm:
-                rec.input = f"{rec.precision} from {from_norm[rec.name]}"
+    from_norm = fused.results.get("fuse_norms") or {}
+    for rec in layers:
+        if rec.name in from_norm:
+            rec.input = f"{rec.precision} from {from_norm[rec.name]}"
     kept = [
         Skipped(c.name, c.kind, f"kept float: {keep_float[c.name]}")
         for c in state.chains
         if c.name in keep_float
     ]
-    inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
-    eager_rewrites(gm)  # eager host time: view ops as tensor methods, no all-ones masks
     state.skipped = kept + list(state.skipped)
+    state.pipeline, state.passes = options, {**state.passes, **fused.records}
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
     set_state(gm, state)
     return gm
+
+
+def _options(state, **given) -> PipelineOptions:
+    """The prepared model's pipeline options with convert's own (None: as prepared)."""
+    options = state.pipeline if state.pipeline is not None else PipelineOptions()
+    for name, value in given.items():
+        if value is not None and not isinstance(value, bool):
+            raise UnsupportedError(f"{name}={value!r}: give True or False.")
+    return dataclasses.replace(options, **{k: v for k, v in given.items() if v is not None})
 
 
 def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) -> torch.nn.Module:

@@ -32,3 +32,8 @@ class FormatError(QFuseError):
 class ModeError(QFuseError):
     """The model is in the wrong train/eval mode for this step (QAT trains in train mode,
     converts in eval mode)."""
+
+
+class GraphMismatchError(QFuseError):
+    """A graph pass recorded one rewrite and its replay found another (QAT's train-mode graph vs
+    the eval-mode graph convert captures)."""

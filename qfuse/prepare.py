@@ -10,15 +10,13 @@ from torch import fx, nn
 from qfuse.capture import capture
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
-from qfuse.fusion.bn_fold import fold_batchnorm
-from qfuse.fusion.gated import merge_siblings as merge_sibling_layers
-from qfuse.fusion.gemms import leftover_gemms
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.patterns import Chain, find_chains
+from qfuse.fusion.patterns import Chain
 from qfuse.gptq import GPTQ
 from qfuse.gptq import select as gptq_select
 from qfuse.observers import make_observer
 from qfuse.observers.hessian import InputHessian
+from qfuse.pipeline import PipelineOptions, resolve_options, run_capture
 from qfuse.smoothquant import SmoothQuant
 from qfuse.smoothquant import select as smoothquant_select
 from qfuse.state import QFuseState, set_state
@@ -96,7 +94,8 @@ def prepare(
     layer_configs: Mapping[str, QConfig] | None = None,
     smoothquant: SmoothQuant | None = None,
     gptq: GPTQ | None = None,
-    merge_siblings: bool = True,
+    merge_siblings: bool | None = None,
+    pipeline: PipelineOptions | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` and insert observers in front of every fusible Linear/Conv2d chain.
 
@@ -111,7 +110,9 @@ def prepare(
     ``merge_siblings`` merges Linears that read one input and end there (Q, K, V) into one layer
     over concatenated weights, named after its members (``fusion.siblings``), and the gate and
     up projections of a gated MLP (``act(gate(x)) * up(x)``, SwiGLU / GeGLU) into one layer with
-    a gated epilogue (``fusion.gated``).
+    a gated epilogue (``fusion.gated``); True or False switches both (default: both on).
+    ``pipeline`` (``qfuse.PipelineOptions``) chooses each graph pass instead; ``convert``,
+    ``save`` and ``load`` run the same options (``qfuse.pipeline``).
 
     Example:
         >>> import torch, qfuse
@@ -131,12 +132,31 @@ def prepare(
                 "layer_configs may change the observer and activation scheme per layer, not the "
                 "dtype or weight granularity; use keep_float in qfuse.convert for mixed precision."
             )
+    options = resolve_options(pipeline, merge_siblings)
+    return prepare_pipeline(model, config, example_inputs, example_kwargs, dynamic_shapes,
+                            options, layer_configs=layer_configs, smoothquant=smoothquant,
+                            gptq=gptq)
+
+
+def prepare_pipeline(
+    model: nn.Module,
+    config: QConfig,
+    example_inputs: tuple,
+    example_kwargs: dict | None,
+    dynamic_shapes,
+    options: PipelineOptions,
+    *,
+    replay: dict[str, list] | None = None,
+    layer_configs: Mapping[str, QConfig] | None = None,
+    smoothquant: SmoothQuant | None = None,
+    gptq: GPTQ | None = None,
+) -> fx.GraphModule:
+    """``prepare`` with resolved pipeline ``options``; ``replay`` repeats recorded merges
+    exactly (QAT's lowering replays its train-mode graph's: ``qfuse.qat.lower``)."""
     check_eval_mode(model)
     gm = capture(model, example_inputs, example_kwargs, dynamic_shapes)
-    folded = fold_batchnorm(gm)
-    merged = merge_sibling_layers(gm) if merge_siblings else []
-    chains, skipped = find_chains(gm)
-    skipped += leftover_gemms(gm)
+    run = run_capture(gm, options, replay=replay)
+    chains, skipped = run.chains, run.skipped
     check_layer_globs(layer_configs, chains, "layer_configs")
     skipped += explain_nothing_quantized(type(model).__name__, chains, skipped)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -167,8 +187,9 @@ def prepare(
                 anchor.args = (obs_node, *anchor.args[1:])
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
+    folded = run.records.get("fold_batchnorm", [])
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
-    state.merged = merged
+    state.merged, state.pipeline, state.passes = run.merged, options, dict(run.records)
     state.smoothquant, state.smoothed = smoothquant, smoothed
     state.gptq, state.hessians = gptq, hessians
     state.source = ModelRef(model)

@@ -42,6 +42,8 @@ class QFuseState:
     qat: object | None = None  # qfuse.qat.prepare.QATRecord on a model from qfuse.prepare_qat
     merged: list[list[str]] = field(default_factory=list)  # sibling Linears merged (members)
     source: object | None = None  # qfuse.validate.ModelRef: the user's model (output="model")
+    pipeline: object | None = None  # qfuse.pipeline.PipelineOptions the graph passes ran with
+    passes: dict[str, list] = field(default_factory=dict)  # pass name -> its record (pipeline)
 
 
 def get_state(model) -> QFuseState | None:

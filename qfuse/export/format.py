@@ -9,10 +9,14 @@ object (see ``docs/export.md`` for every field)::
      "layers": [{"name", "chain", "module", "pattern", "kind", "precision", "kernel",
                  "input", "output", "note", "layout": module.layout()}],
      "skipped": [{"name", "kind", "reason"}], "folded_batchnorms": [...],
+     "merged": [[<member layer>, ...]], "pipeline": PipelineOptions.to_dict(),
+     "passes": {"<graph pass>": <its record>},
      "aliases": {"<tied name>": "<saved name>"}, "checksums": {"<tensor>": crc32}}
 
 A reader that sees a ``format_version`` above ``FORMAT_VERSION`` refuses the file: fields may have
-changed meaning. Adding optional fields does not bump the version. Version 2: a Linear with
+changed meaning. Adding optional fields does not bump the version (``pipeline`` and ``passes``
+are optional: a file without them was written before the options were saved, and loads with
+the passes every qfuse then ran). Version 2: a Linear with
 asymmetric int8 input stores its zero-point correction folded into ``bias`` and no
 ``weight_sum`` (``nn.QLinear._fold_zero_point``); version-1 files still load (folded on load).
 """
@@ -29,6 +33,7 @@ from qfuse.config import QConfig
 from qfuse.errors import FormatError, QFuseError
 from qfuse.fusion.patterns import Skipped
 from qfuse.nn.base import QuantizedModule
+from qfuse.pipeline import PipelineOptions
 from qfuse.state import LayerRecord
 
 METADATA_KEY = "qfuse"
@@ -140,3 +145,20 @@ def skipped_of(meta: dict, path: str) -> list[Skipped]:
         return [Skipped(s["name"], s["kind"], s["reason"]) for s in meta["skipped"]]
     except (KeyError, TypeError) as exc:
         raise FormatError(f"{path}: the skipped-layer list is malformed ({exc!r}).") from exc
+
+
+def pipeline_of(meta: dict, path: str) -> tuple[PipelineOptions, dict[str, list] | None]:
+    """The saved ``PipelineOptions`` and pass records. A file saved before they were recorded
+    gets the passes ``load`` ran then (both merges if it lists merged layers, norm and pool
+    fusion) and ``None`` records: only its ``merged`` list can be checked."""
+    if "pipeline" not in meta:
+        merged = bool(meta.get("merged"))
+        return PipelineOptions(merge_gated=merged, merge_siblings=merged), None
+    try:
+        options = PipelineOptions.from_dict(meta["pipeline"])
+        passes = meta.get("passes", {})
+        if not isinstance(passes, dict) or not all(isinstance(r, list) for r in passes.values()):
+            raise TypeError(f"passes must map pass names to lists, got {passes!r}")
+    except (QFuseError, KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{path}: the saved pipeline options cannot be read ({exc}).") from exc
+    return options, passes

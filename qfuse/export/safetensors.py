@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from qfuse.capture import capture, inline_grad_wrappers
+from qfuse.capture import capture
 from qfuse.errors import FormatError
 from qfuse.export.checks import converted_state, normalize_inputs
 from qfuse.export.format import (
@@ -32,6 +32,7 @@ from qfuse.export.format import (
     encode,
     layer_entry,
     layer_record,
+    pipeline_of,
     quantized_module_types,
     skipped_of,
 )
@@ -43,13 +44,9 @@ from qfuse.export.tensors import (
     to_cpu_unshared,
 )
 from qfuse.fileio import atomic_path
-from qfuse.fusion.bn_fold import fold_batchnorm
-from qfuse.fusion.eager_calls import eager_rewrites
-from qfuse.fusion.gated import merge_siblings
-from qfuse.fusion.norm_quant import fuse_layernorm_quant
-from qfuse.fusion.patterns import Chain, find_chains
-from qfuse.fusion.pool_quant import fuse_maxpool_quant
-from qfuse.fusion.rewrite import fuse_chains, module_paths
+from qfuse.fusion.patterns import Chain
+from qfuse.fusion.rewrite import module_paths
+from qfuse.pipeline import CAPTURE, FUSED, PipelineOptions, mismatches, run_capture, run_fused
 from qfuse.state import QFuseState, set_state
 from qfuse.summary import summary
 
@@ -103,6 +100,8 @@ def save(qmodel: fx.GraphModule, path: str | os.PathLike) -> None:
         "skipped": [{"name": s.name, "kind": s.kind, "reason": s.reason} for s in state.skipped],
         "folded_batchnorms": list(state.folded_batchnorms),
         "merged": [list(g) for g in state.merged],
+        "pipeline": (state.pipeline or PipelineOptions()).to_dict(),
+        "passes": {name: list(record) for name, record in state.passes.items()},
         "aliases": aliases,
         "checksums": {name: checksum(t) for name, t in tensors.items()},
     }
@@ -136,40 +135,54 @@ def load(
     meta, tensors = _read(path)
     config, skipped = config_of(meta, path), skipped_of(meta, path)
     target = torch.device(device) if device is not None else _device_of(float_model)
+    options, recorded = pipeline_of(meta, path)
     gm = _capture_on(float_model, example_inputs, example_kwargs, dynamic_shapes, target)
-    folded = fold_batchnorm(gm)
-    merged = _merge_as_saved(gm, meta, path)
-    chains, _ = find_chains(gm)
+    # The saved pipeline, its merges replayed exactly: the same chains as the saved graph.
+    replay = recorded if recorded is not None else _legacy_replay(meta)
+    captured = run_capture(gm, options, replay=replay)
+    _check_replay(captured, recorded, CAPTURE, meta, path)
+    chains = captured.chains
     paths = module_paths(chains)
     by_path = _match_layers(meta, chains, paths, path)
     modules, fused_names = _build_modules(gm, meta, by_path, tensors, target, path)
-    fuse_chains(gm, chains, modules)
-    fuse_layernorm_quant(gm)  # as convert did: the readers' saved layouts expect it
-    fuse_maxpool_quant(gm)  # a conv saved with a quantized output pools quantized again
-    inline_grad_wrappers(gm)  # inference: torch 2.11 export's no_grad subgraphs follow .to()
-    eager_rewrites(gm)
+    fused = run_fused(gm, chains, modules, options)
+    _check_replay(fused, recorded, FUSED, meta, path)
     _load_float_tensors(gm, meta, tensors, fused_names, target, path)
     # ``skipped`` is the saved list, not the recaptured one: it also holds the layers
     # convert(keep_float=) left float, with their reasons, so summary reads as before saving.
     layers = [layer_record(entry) for entry in meta["layers"]]
+    folded = captured.records.get("fold_batchnorm", [])
     state = QFuseState(config, "converted", chains, skipped, {}, layers, folded_batchnorms=folded)
-    state.merged = merged
+    state.merged, state.pipeline = captured.merged, options
+    state.passes = {**captured.records, **fused.records}
     set_state(gm, state)
     return gm
 
 
-def _merge_as_saved(gm: fx.GraphModule, meta: dict, path: str) -> list[list[str]]:
-    """Merge sibling Linears as prepare did for the saved model (none for files without the key)."""
-    saved = meta.get("merged") or []
-    if not saved:
-        return []
-    merged = merge_siblings(gm)
-    if sorted(map(sorted, merged)) != sorted(map(sorted, saved)):
+def _legacy_replay(meta: dict) -> dict[str, list]:
+    """A file without pass records lists its merged groups together; each merge pass replays
+    the groups it can make (a gate/up pair is no Q/K/V group, and the reverse)."""
+    saved = [list(g) for g in meta.get("merged") or []]
+    return {"merge_gated": saved, "merge_siblings": saved}
+
+
+def _check_replay(run, recorded, stage: str, meta: dict, path: str) -> None:
+    """Every pass of ``stage`` rewrote what it did before ``save`` (``FormatError`` if not)."""
+    if recorded is None:  # an older file: only its merged list was saved
+        saved = meta.get("merged") or []
+        if stage == CAPTURE and sorted(map(sorted, run.merged)) != sorted(map(sorted, saved)):
+            raise FormatError(
+                f"{path}: the model merges sibling Linears {run.merged}, the file {saved}; load "
+                "it into the float model it was saved from."
+            )
+        return
+    for name, mine, theirs in mismatches(run.records, recorded, stage):
         raise FormatError(
-            f"{path}: the model merges sibling Linears {merged}, the file {saved}; load it into "
-            "the float model it was saved from."
+            f"{path}: graph pass {name} rewrote {_names(sorted(map(str, theirs)))} when the "
+            f"model was saved but {_names(sorted(map(str, mine)))} on this float model; load it "
+            "into the float model it was saved from, with example inputs like those given to "
+            "qfuse.prepare."
         )
-    return merged
 
 
 # Reading ---------------------------------------------------------------------------------------

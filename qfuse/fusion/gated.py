@@ -58,11 +58,16 @@ def _pairs(gm: fx.GraphModule):
         yield gate, up, mul
 
 
-def merge_gated_linears(gm: fx.GraphModule) -> list[list[str]]:
-    """Merge each ``act(gate(x)) * up(x)`` of ``gm`` in place; returns ``[gate, up]`` names."""
+def merge_gated_linears(gm: fx.GraphModule, only=None) -> list[list[str]]:
+    """Merge each ``act(gate(x)) * up(x)`` of ``gm`` in place; returns ``[gate, up]`` names.
+    ``only`` (a list of ``[gate, up]`` names) merges just those pairs: a replay of a recorded
+    merge (``qfuse.pipeline``)."""
     merged = []
     nodes = {n.name: n for n in gm.graph.nodes}
+    wanted = None if only is None else {tuple(g) for g in only}
     for gate, up, mul in list(_pairs(gm)):
+        if wanted is not None and (gate.name, up.name) not in wanted:
+            continue
         parent, leaf = _merged_name([gate.name, up.name])
         owner = gm.get_submodule(parent) if parent else gm
         if hasattr(owner, leaf):

@@ -51,8 +51,11 @@ def merged_path(names: list[str]) -> str:
     return f"{parent}.{leaf}" if parent else leaf
 
 
-def merge_sibling_linears(gm: fx.GraphModule) -> list[list[str]]:
-    """Merge each eligible group in place; returns the member layer names of every group."""
+def merge_sibling_linears(gm: fx.GraphModule, only=None) -> list[list[str]]:
+    """Merge each eligible group in place; returns the member layer names of every group.
+    ``only`` (a list of member-name lists) merges just those groups: a replay of a recorded
+    merge (``qfuse.pipeline``)."""
+    wanted = None if only is None else {tuple(g) for g in only}
     chains, _ = find_chains(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     groups: dict[str, list] = {}
@@ -62,6 +65,8 @@ def merge_sibling_linears(gm: fx.GraphModule) -> list[list[str]]:
     merged = []
     for members in groups.values():
         if len(members) < 2:
+            continue
+        if wanted is not None and tuple(c.name for c in members) not in wanted:
             continue
         anchors = [nodes[c.anchor] for c in members]
         weights = [attr_tensor(gm, c.weight) for c in members]

@@ -21,6 +21,11 @@ _GATE_FUNCTIONS = {
 }
 
 
+def _float_gated(y: torch.Tensor, act: str) -> torch.Tensor:
+    gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+    return _GATE_FUNCTIONS[GATED_ACTIVATIONS[act]](gate) * up
+
+
 @torch.library.custom_op("qfuse::gated", mutates_args=())
 def gated(y: torch.Tensor, act: str) -> torch.Tensor:
     """``act(gate) * up`` of interleaved ``[g0, u0, g1, u1, ...]`` last-dimension values.
@@ -35,10 +40,26 @@ def gated(y: torch.Tensor, act: str) -> torch.Tensor:
     if act not in GATED_ACTIVATIONS:
         raise UnsupportedError(f"qfuse::gated: activation {act!r}; use one of "
                                f"{sorted(GATED_ACTIVATIONS)}.")
-    gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-    return _GATE_FUNCTIONS[GATED_ACTIVATIONS[act]](gate) * up
+    return _float_gated(y, act)
 
 
 @gated.register_fake
 def _(y, act):
     return y.new_empty((*y.shape[:-1], y.shape[-1] // 2))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.act = inputs[1]
+
+
+def _backward(ctx, grad):
+    # QAT trains through the merged gate/up layer: the gradient of the same float formula.
+    (y,) = ctx.saved_tensors
+    with torch.enable_grad():
+        y = y.detach().requires_grad_(True)
+        (dy,) = torch.autograd.grad(_float_gated(y, ctx.act), y, grad)
+    return dy, None
+
+
+gated.register_autograd(_backward, setup_context=_setup_context)

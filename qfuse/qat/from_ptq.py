@@ -38,8 +38,9 @@ def _seeded_minmax(observer, s: torch.Tensor, symmetric: bool) -> MinMaxObserver
     return seeded
 
 
-def carry_over(ptq, chains: list[Chain], config) -> dict[str, Carry]:
-    """Per QAT chain name, what to start from (``ptq`` is a calibrated ``qfuse.prepare`` model)."""
+def carry_over(ptq, chains: list[Chain], config, options=None) -> dict[str, Carry]:
+    """Per QAT chain name, what to start from (``ptq`` is a calibrated ``qfuse.prepare`` model;
+    ``options``: the QAT model's ``PipelineOptions``, whose merges the PTQ model must share)."""
     # Imported here: convert is the flow QAT ends in, and it imports qfuse.qat lazily itself.
     from qfuse.convert import _Plan
 
@@ -49,6 +50,15 @@ def carry_over(ptq, chains: list[Chain], config) -> dict[str, Carry]:
             "prepare_qat(from_prepared=...) takes a calibrated model returned by qfuse.prepare; "
             f"got {type(ptq).__name__}" + (f" at stage '{state.stage}'." if state else ".")
         )
+    theirs = state.pipeline
+    if options is not None and theirs is not None:
+        for merge in ("merge_gated", "merge_siblings"):
+            if getattr(options, merge) != getattr(theirs, merge):
+                raise QFuseError(
+                    f"prepare_qat runs {merge}={getattr(options, merge)} but the from_prepared "
+                    f"model was prepared with {merge}={getattr(theirs, merge)}; give both the "
+                    "same merge_siblings (or PipelineOptions)."
+                )
     names = {c.name for c in chains}
     ptq_chains = [c for c in state.chains if c.name in names]
     missing = sorted(names - {c.name for c in ptq_chains})

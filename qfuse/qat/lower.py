@@ -18,9 +18,10 @@ from collections.abc import Mapping
 import torch
 from torch import fx, nn
 
-from qfuse.errors import ModeError, QFuseError
+from qfuse.errors import GraphMismatchError, ModeError, QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.prepare import prepare
+from qfuse.pipeline import CAPTURE, mismatches
+from qfuse.prepare import prepare_pipeline
 from qfuse.primitives import SCALE_EPS, inverse
 from qfuse.qat.modules import full_tensor
 from qfuse.state import get_state
@@ -68,6 +69,20 @@ def _learned_weight_scale(fq, out_channels: int) -> torch.Tensor:
     return scale.clamp(min=SCALE_EPS).expand(out_channels).clone()
 
 
+def _check_replay(eval_records: dict, train_records: dict) -> None:
+    """The eval-mode graph merged exactly what the train-mode graph did (else the chains differ
+    because of the merge, and the error says so)."""
+    for name, mine, theirs in mismatches(eval_records, train_records, CAPTURE):
+        lost = [g for g in theirs if g not in mine]
+        raise GraphMismatchError(
+            f"pass {name}: QAT merged the layers {lost} into one layer in the train-mode graph, "
+            "but the eval-mode graph convert captures cannot merge them (their outputs are read "
+            "differently there). QAT trained the merged weight, so convert cannot rebuild them; "
+            "prepare_qat with merge_siblings=False (or PipelineOptions("
+            f"{name}=False)) trains them as separate layers."
+        )
+
+
 def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
     """A prepared (PTQ-stage) model carrying ``qat_model``'s trained tensors and scales, and the
     summary notes for convert."""
@@ -84,20 +99,22 @@ def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
     names = set(arch.state_dict())
     qat_tensors = {k: full_tensor(v) for k, v in qat_model.state_dict().items()}
     arch.load_state_dict({k: v for k, v in qat_tensors.items() if k in names}, strict=False)
-    prepared = prepare(
+    prepared = prepare_pipeline(  # the QAT model's pipeline, its merges replayed exactly
         arch.eval(),
         state.config,
         record.example_inputs,
         record.example_kwargs,
         record.dynamic_shapes,
+        record.pipeline,
+        replay=record.passes,
         layer_configs=record.layer_configs,
-        merge_siblings=record.merge_siblings,
     )
+    pstate = get_state(prepared)
+    _check_replay(pstate.passes, record.passes)
     with torch.no_grad():  # tensors prepare made, which QAT trained too (merged Q/K/V weights)
         for name, tensor in prepared.state_dict().items():
             if name not in names and name in qat_tensors:
                 tensor.copy_(qat_tensors[name])
-    pstate = get_state(prepared)
     mismatch = {c.name for c in pstate.chains} ^ set(record.act_fq)
     if mismatch:
         raise QFuseError(

@@ -13,8 +13,9 @@ from qfuse.capture import capture
 from qfuse.config import PerChannel, QConfig
 from qfuse.errors import ModeError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.patterns import Chain, find_chains
-from qfuse.fusion.siblings import merge_sibling_linears
+from qfuse.fusion.patterns import Chain
+from qfuse.fusion.siblings import merged_path
+from qfuse.pipeline import PipelineOptions, resolve_options, run_capture
 from qfuse.prepare import config_for
 from qfuse.qat.config import QATConfig
 from qfuse.qat.conv_bn import ConvBnFakeQuant
@@ -36,7 +37,8 @@ class QATRecord:
     dynamic_shapes: object
     qat: QATConfig
     layer_configs: Mapping[str, QConfig] | None
-    merge_siblings: bool = True
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    passes: dict[str, list] = field(default_factory=dict)  # the train-mode graph's pass records
     act_fq: dict[str, str] = field(default_factory=dict)  # chain name -> ActivationFakeQuant
     weight_fq: dict[str, str] = field(default_factory=dict)  # chain name -> WeightFakeQuant
     prologue: set[str] = field(default_factory=set)  # chains smoothed in the prologue
@@ -143,7 +145,8 @@ def prepare_qat(
     qat: QATConfig | None = None,
     layer_configs: Mapping[str, QConfig] | None = None,
     from_prepared: fx.GraphModule | None = None,
-    merge_siblings: bool = True,
+    merge_siblings: bool | None = None,
+    pipeline: PipelineOptions | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` (in train mode) with fake quant at every point ``qfuse.convert`` will
     quantize: each fusible layer's input (the prologue's rounding and clamping, static or
@@ -155,8 +158,10 @@ def prepare_qat(
     steps. ``from_prepared``: a calibrated ``qfuse.prepare`` model of the same float model, whose
     activation scales, observers and SmoothQuant factors QAT starts from. ``model`` itself is not
     modified (QAT trains a copy; keep ``model`` as the float teacher). ``merge_siblings`` merges
-    Q/K/V-like sibling Linears into one layer as ``qfuse.prepare`` does (QAT trains the merged
-    weight); it must match the ``from_prepared`` model's.
+    Q/K/V-like sibling Linears and the gate/up pair of a gated MLP into one layer as
+    ``qfuse.prepare`` does (QAT trains the merged weight); ``pipeline`` (``qfuse.PipelineOptions``)
+    chooses each graph pass instead. Both must match the ``from_prepared`` model's; convert
+    runs the same options on the eval-mode graph, merging exactly the layers QAT merged.
 
     Example:
         >>> import torch, qfuse
@@ -173,23 +178,22 @@ def prepare_qat(
     """
     qat = qat or QATConfig()
     _check(model, config, layer_configs, qat)
+    options = resolve_options(pipeline, merge_siblings)
     float_model = copy.deepcopy(model)
     work = copy.deepcopy(model)
     gm = capture(work, example_inputs, example_kwargs, dynamic_shapes, training=True)
-    merged = merge_sibling_linears(gm) if merge_siblings else []
-    chains, skipped = find_chains(gm)
+    run = run_capture(gm, options, training=True)
+    chains, skipped, merged = run.chains, run.skipped, run.merged
+    by_name = {c.name: c for c in chains}
     for members in merged:  # the merged weight trains if its members did
-        parent = members[0].rpartition(".")[0]
-        chain = next(  # the chain whose weight prepare made, under the members' parent
-            c
-            for c in chains
-            if c.name.startswith(parent) and c.weight not in dict(float_model.named_parameters())
-        )
+        chain = by_name[merged_path(members)]
         trainable = any(float_model.get_parameter(f"{m}.weight").requires_grad for m in members)
         for target in (chain.weight, chain.bias):
             if target is not None:
                 attr_tensor(gm, target).requires_grad_(trainable)
-    carried = carry_over(from_prepared, chains, config) if from_prepared is not None else {}
+    carried = {}
+    if from_prepared is not None:
+        carried = carry_over(from_prepared, chains, config, options)
     record = QATRecord(
         float_model,
         example_inputs,
@@ -197,7 +201,8 @@ def prepare_qat(
         dynamic_shapes,
         qat,
         layer_configs,
-        merge_siblings,
+        options,
+        dict(run.records),
     )
     nodes = {n.name: n for n in gm.graph.nodes}
     with torch.no_grad():
@@ -245,5 +250,6 @@ def prepare_qat(
     gm.recompile()
     state = QFuseState(config, "qat", chains, skipped)
     state.qat, state.merged = record, merged
+    state.pipeline, state.passes = options, dict(run.records)
     set_state(gm, state)
     return gm.train()
