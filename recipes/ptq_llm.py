@@ -114,7 +114,8 @@ def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progres
     (observers frozen); the weights train by distillation (KL to the float model's next-token
     distribution) on calibration-text windows the held-out set never shares."""
     train = torch.cat([data.training_windows(), data.calibration_windows()])
-    student = copy.deepcopy(model).train()
+    # a fresh copy: generate() leaves state on the float model that a train-mode capture trips on
+    student = data.load_model().train()
     qat = qfuse.prepare_qat(
         student, recipe.config, (), example_kwargs={"input_ids": train[:2, :-1]},
         qat=qfuse.QATConfig(observer_freeze_step=0), from_prepared=prepared,
@@ -233,6 +234,20 @@ def _print_row(r: dict) -> None:
     print(line, flush=True)
 
 
+def markdown(result: dict) -> str:
+    """The README's table from a result file."""
+    lines = ["| config | perplexity | vs float | top-1 agreement | generation agreement |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        change = r.get("perplexity_change_pct")
+        cells = [r["config"], f"{r['perplexity']:.3f}",
+                 "" if change is None else f"{change:+.2f}%",
+                 f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "",
+                 f"{r['generation_agreement']:.3f}" if "generation_agreement" in r else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=None, help="comma-separated names (default: all)")
@@ -246,7 +261,12 @@ def main() -> None:
     parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_ptq_cpu.json")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="print the table of a result file and exit")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
     torch.set_num_threads(args.threads)
     names = args.configs.split(",") if args.configs else None
     start = time.perf_counter()
