@@ -69,6 +69,15 @@ def recipes() -> list[Recipe]:
         Recipe("int8 static", qfuse.QConfig.int8_static(), static_int8=True),
         Recipe("int8 static asym", asym, static_int8=True),
         Recipe("int8 static asym + SmoothQuant", asym, {"smoothquant": sq}, static_int8=True),
+        # SmoothQuant's default selection smooths Linears fed by a LayerNorm or a Linear; Llama's
+        # RMSNorm (exported as elementwise ops) is neither, so on this model it smooths nothing.
+        # Naming the layers smooths them all (the factors divide each layer's input).
+        Recipe(
+            "int8 static asym + SmoothQuant (all block layers)",
+            asym,
+            {"smoothquant": qfuse.SmoothQuant(0.5, layers=("model.layers.*",))},
+            static_int8=True,
+        ),
         Recipe(
             "int8 static asym + SmoothQuant + GPTQ",
             asym,
@@ -199,12 +208,17 @@ def run(names=None, heldout=None, calibration=None, prompts=16, qat_steps=100, q
     if best is not None and qat_steps and (names is None or "QAT" in names):
         recipe, prepared, _ = best
         t0 = time.perf_counter()
-        qmodel, losses = qat_finetune(model, recipe, prepared, qat_steps, qat_lr, progress)
-        rows.append(dict(config=f"QAT {recipe.name} ({qat_steps} steps)",
-                         convert_seconds=time.perf_counter() - t0,
-                         qat_loss=[losses[0], losses[-1]],
-                         **measure(qmodel, ref, held, valid, prompt_ids)))
-        _print_row(rows[-1])
+        name = f"QAT {recipe.name} ({qat_steps} steps)"
+        try:
+            qmodel, losses = qat_finetune(model, recipe, prepared, qat_steps, qat_lr, progress)
+        except Exception as exc:  # noqa: BLE001 - the table keeps the PTQ rows and says why
+            rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
+            print(f"{name}: {rows[-1]['error']}", flush=True)
+        else:
+            rows.append(dict(config=name, convert_seconds=time.perf_counter() - t0,
+                             qat_loss=[losses[0], losses[-1]],
+                             **measure(qmodel, ref, held, valid, prompt_ids)))
+            _print_row(rows[-1])
     if peer:
         row = peer_row(peer, calib.shape[0], held.shape[0], prompts)
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / ref["perplexity"] - 1)
@@ -226,6 +240,9 @@ def _public(row: dict) -> dict:
 
 
 def _print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['config']:<46} error: {r['error']}", flush=True)
+        return
     line = f"{r['config']:<46} ppl {r['perplexity']:8.3f}"
     if "perplexity_change_pct" in r:
         line += f" ({r['perplexity_change_pct']:+.2f}%)  top1 {r['top1_agreement']:.3f}"
@@ -239,6 +256,9 @@ def markdown(result: dict) -> str:
     lines = ["| config | perplexity | vs float | top-1 agreement | generation agreement |",
              "|---|---|---|---|---|"]
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | |")
+            continue
         change = r.get("perplexity_change_pct")
         cells = [r["config"], f"{r['perplexity']:.3f}",
                  "" if change is None else f"{change:+.2f}%",

@@ -25,8 +25,8 @@ def test_float_model_is_trained(result):
     manifest = json.loads((data.DIR / "manifest.json").read_text())
     float_row = result["rows"][0]
     assert float_row["config"].startswith("float")
-    # a trained model: far below the add-one unigram perplexity of the same text
-    assert float_row["perplexity"] < manifest["unigram_perplexity"] / 5
+    # a trained model: well below the add-one unigram perplexity of the held-out text
+    assert float_row["perplexity"] < manifest["unigram_perplexity"] / 2
 
 
 def test_quantized_rows_are_sane(result):
