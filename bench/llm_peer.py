@@ -92,8 +92,10 @@ def main() -> None:
         float_perplexity_here=ref_ppl,
         convert_seconds=seconds,
         evaluated_as="fake-quant in float on the CPU (compressed-tensors' quantized forward)",
-        versions={m: __import__(m).__version__ for m in
-                  ("llmcompressor", "compressed_tensors", "transformers", "torch")},
+        versions={
+            m: __import__(m).__version__
+            for m in ("llmcompressor", "compressed_tensors", "transformers", "torch")
+        },
     )
     tmp = args.out.with_suffix(".partial")
     tmp.write_text(json.dumps(row, indent=1) + "\n")

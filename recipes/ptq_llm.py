@@ -90,7 +90,10 @@ def recipes() -> list[Recipe]:
 def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 8):
     """``qfuse.prepare`` + calibration over the windows' inputs (every dimension dynamic)."""
     prepared = qfuse.prepare(
-        model, recipe.config, (), example_kwargs={"input_ids": calib[:2, :-1]},
+        model,
+        recipe.config,
+        (),
+        example_kwargs={"input_ids": calib[:2, :-1]},
         **recipe.prepare_kwargs,
     )
     with torch.no_grad():
@@ -126,11 +129,16 @@ def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progres
     # a fresh copy: generate() leaves state on the float model that a train-mode capture trips on
     student = data.load_model().train()
     qat = qfuse.prepare_qat(
-        student, recipe.config, (), example_kwargs={"input_ids": train[:2, :-1]},
-        qat=qfuse.QATConfig(observer_freeze_step=0), from_prepared=prepared,
+        student,
+        recipe.config,
+        (),
+        example_kwargs={"input_ids": train[:2, :-1]},
+        qat=qfuse.QATConfig(observer_freeze_step=0),
+        from_prepared=prepared,
     )
-    opt = torch.optim.AdamW([p for p in qat.parameters() if p.requires_grad], lr=lr,
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in qat.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
+    )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     gen = torch.Generator().manual_seed(0)
     losses = []
@@ -139,8 +147,9 @@ def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progres
         with torch.no_grad():
             target = torch.log_softmax(model(input_ids=x).logits.float(), -1)
         logp = torch.log_softmax(data.logits_of(qat(input_ids=x)).float(), -1)
-        loss = torch.nn.functional.kl_div(logp.flatten(0, 1), target.flatten(0, 1),
-                                          log_target=True, reduction="batchmean")
+        loss = torch.nn.functional.kl_div(
+            logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean"
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -153,38 +162,63 @@ def peer_row(python: str, n_calib: int, n_held: int, n_prompts: int) -> dict:
     """llm-compressor's W8A8 (``bench/llm_peer.py``) in its own interpreter; its JSON row."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
-        cmd = [python, str(ROOT / "bench" / "llm_peer.py"), "--out", str(out),
-               "--calibration", str(n_calib), "--heldout", str(n_held),
-               "--prompts", str(n_prompts)]
+        cmd = [
+            python,
+            str(ROOT / "bench" / "llm_peer.py"),
+            "--out",
+            str(out),
+            "--calibration",
+            str(n_calib),
+            "--heldout",
+            str(n_held),
+            "--prompts",
+            str(n_prompts),
+        ]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
         return json.loads(out.read_text())
 
 
-def run(names=None, heldout=None, calibration=None, prompts=16, qat_steps=100, qat_lr=2e-5,
-        fallback_pct=1.0, peer=None, progress=True) -> dict:
+def run(
+    names=None,
+    heldout=None,
+    calibration=None,
+    prompts=16,
+    qat_steps=100,
+    qat_lr=2e-5,
+    fallback_pct=1.0,
+    peer=None,
+    progress=True,
+    bf16=True,
+) -> dict:
     """Every recipe (or those ``names``) on the trained Llama; the result dict the CLI writes."""
     chosen = [r for r in recipes() if names is None or r.name in names]
     unknown = set(names or ()) - {r.name for r in recipes()} - {"auto_fallback", "QAT"}
     if unknown:
-        raise SystemExit(f"unknown configs {sorted(unknown)}; choose from "
-                         f"{[r.name for r in recipes()] + ['auto_fallback', 'QAT']}")
+        raise SystemExit(
+            f"unknown configs {sorted(unknown)}; choose from "
+            f"{[r.name for r in recipes()] + ['auto_fallback', 'QAT']}"
+        )
     torch.manual_seed(0)
     model = data.load_model()
     held = data.heldout_windows(heldout)
     valid, calib = data.validation_windows(), data.calibration_windows(calibration)
     prompt_ids = data.prompts(held, prompts) if prompts else None
     ref = measure(model, None, held, valid, prompt_ids)
-    bf16 = measure(copy.deepcopy(model).to(torch.bfloat16), ref, held, valid, prompt_ids)
-    rows = [dict(config="float (bf16 weights, fp32 compute)", **ref),
-            dict(config="bf16 compute", **bf16)]
+    rows = [dict(config="float (bf16 weights, fp32 compute)", **ref)]
+    if bf16:
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        rows.append(dict(config="bf16 compute", **measure(half, ref, held, valid, prompt_ids)))
     best = None
     for recipe in tqdm(chosen, desc="configs", disable=not progress):
         t0 = time.perf_counter()
         prepared = calibrate(model, recipe, calib)
         qmodel = qfuse.convert(prepared, output="model", keep_float=LM_HEAD)
-        row = dict(config=recipe.name, convert_seconds=time.perf_counter() - t0,
-                   **measure(qmodel, ref, held, valid, prompt_ids))
+        row = dict(
+            config=recipe.name,
+            convert_seconds=time.perf_counter() - t0,
+            **measure(qmodel, ref, held, valid, prompt_ids),
+        )
         rows.append(row)
         if recipe.static_int8 and (best is None or row["validation_perplexity"] < best[2]):
             best = (recipe, prepared, row["validation_perplexity"])
@@ -200,10 +234,15 @@ def run(names=None, heldout=None, calibration=None, prompts=16, qat_steps=100, q
         _, fb = qfuse.auto_fallback(prepared, valid_ppl, max_drop=budget, higher_is_better=False)
         kept = {**LM_HEAD, **fb.kept_float}
         qmodel = qfuse.convert(prepared, output="model", keep_float=kept)
-        rows.append(dict(config=f"{recipe.name} + auto_fallback",
-                         convert_seconds=time.perf_counter() - t0,
-                         kept_float=sorted(fb.kept_float), fallback_evaluations=fb.evaluations,
-                         **measure(qmodel, ref, held, valid, prompt_ids)))
+        rows.append(
+            dict(
+                config=f"{recipe.name} + auto_fallback",
+                convert_seconds=time.perf_counter() - t0,
+                kept_float=sorted(fb.kept_float),
+                fallback_evaluations=fb.evaluations,
+                **measure(qmodel, ref, held, valid, prompt_ids),
+            )
+        )
         _print_row(rows[-1])
     if best is not None and qat_steps and (names is None or "QAT" in names):
         recipe, prepared, _ = best
@@ -215,9 +254,14 @@ def run(names=None, heldout=None, calibration=None, prompts=16, qat_steps=100, q
             rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
             print(f"{name}: {rows[-1]['error']}", flush=True)
         else:
-            rows.append(dict(config=name, convert_seconds=time.perf_counter() - t0,
-                             qat_loss=[losses[0], losses[-1]],
-                             **measure(qmodel, ref, held, valid, prompt_ids)))
+            rows.append(
+                dict(
+                    config=name,
+                    convert_seconds=time.perf_counter() - t0,
+                    qat_loss=[losses[0], losses[-1]],
+                    **measure(qmodel, ref, held, valid, prompt_ids),
+                )
+            )
             _print_row(rows[-1])
     if peer:
         row = peer_row(peer, calib.shape[0], held.shape[0], prompts)
@@ -226,12 +270,18 @@ def run(names=None, heldout=None, calibration=None, prompts=16, qat_steps=100, q
         _print_row(row)
     return dict(
         model=json.loads((data.DIR / "manifest.json").read_text()),
-        heldout_windows=held.shape[0], calibration_windows=calib.shape[0],
-        validation_windows=valid.shape[0], seq_len=data.SEQ_LEN,
-        prompts=0 if prompt_ids is None else prompt_ids.shape[0], prompt_len=data.PROMPT_LEN,
-        new_tokens=data.NEW_TOKENS, sample_prompt=data.SAMPLE_PROMPT,
+        heldout_windows=held.shape[0],
+        calibration_windows=calib.shape[0],
+        validation_windows=valid.shape[0],
+        seq_len=data.SEQ_LEN,
+        prompts=0 if prompt_ids is None else prompt_ids.shape[0],
+        prompt_len=data.PROMPT_LEN,
+        new_tokens=data.NEW_TOKENS,
+        sample_prompt=data.SAMPLE_PROMPT,
         best_int8_static=None if best is None else best[0].name,
-        torch=torch.__version__, threads=torch.get_num_threads(), rows=[_public(r) for r in rows],
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        rows=[_public(r) for r in rows],
     )
 
 
@@ -253,17 +303,22 @@ def _print_row(r: dict) -> None:
 
 def markdown(result: dict) -> str:
     """The README's table from a result file."""
-    lines = ["| config | perplexity | vs float | top-1 agreement | generation agreement |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| config | perplexity | vs float | top-1 agreement | generation agreement |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | |")
             continue
         change = r.get("perplexity_change_pct")
-        cells = [r["config"], f"{r['perplexity']:.3f}",
-                 "" if change is None else f"{change:+.2f}%",
-                 f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "",
-                 f"{r['generation_agreement']:.3f}" if "generation_agreement" in r else ""]
+        cells = [
+            r["config"],
+            f"{r['perplexity']:.3f}",
+            "" if change is None else f"{change:+.2f}%",
+            f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "",
+            f"{r['generation_agreement']:.3f}" if "generation_agreement" in r else "",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -276,13 +331,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--qat-steps", type=int, default=100)
     parser.add_argument("--qat-lr", type=float, default=2e-5)
-    parser.add_argument("--fallback-pct", type=float, default=1.0,
-                        help="auto_fallback budget: validation perplexity increase, % of float's")
+    parser.add_argument(
+        "--fallback-pct",
+        type=float,
+        default=1.0,
+        help="auto_fallback budget: validation perplexity increase, % of float's",
+    )
     parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_ptq_cpu.json")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="print the table of a result file and exit")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="print the table of a result file and exit"
+    )
     args = parser.parse_args()
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())))
@@ -290,8 +350,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     names = args.configs.split(",") if args.configs else None
     start = time.perf_counter()
-    result = run(names, args.heldout, args.calibration, args.prompts, args.qat_steps,
-                 args.qat_lr, args.fallback_pct, args.peer, progress=sys.stderr.isatty())
+    result = run(
+        names,
+        args.heldout,
+        args.calibration,
+        args.prompts,
+        args.qat_steps,
+        args.qat_lr,
+        args.fallback_pct,
+        args.peer,
+        progress=sys.stderr.isatty(),
+    )
     result["seconds"] = time.perf_counter() - start
     tmp = args.out.with_suffix(".partial")
     tmp.write_text(json.dumps(result, indent=1) + "\n")

@@ -148,8 +148,12 @@ def score(model, wins: torch.Tensor, batch: int = 8) -> tuple[float, torch.Tenso
 def generate(model, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
     """Greedy continuation (``[n, new_tokens]``) of each prompt row with ``model.generate``."""
     out = model.generate(
-        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-        attention_mask=torch.ones_like(ids), pad_token_id=load_tokenizer().eos_token_id,
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        attention_mask=torch.ones_like(ids),
+        pad_token_id=load_tokenizer().eos_token_id,
     )
     return out[:, ids.shape[1] :]
 

@@ -17,8 +17,15 @@ from recipes import ptq_llm  # noqa: E402
 
 @pytest.fixture(scope="module")
 def result():
-    return ptq_llm.run(["fp8 static", "int8 dynamic"], heldout=8, calibration=8, prompts=2,
-                       qat_steps=0, progress=False)
+    return ptq_llm.run(
+        ["fp8 static", "int8 dynamic"],
+        heldout=8,
+        calibration=8,
+        prompts=2,
+        qat_steps=0,
+        progress=False,
+        bf16=False,
+    )
 
 
 def test_float_model_is_trained(result):
@@ -31,7 +38,7 @@ def test_float_model_is_trained(result):
 
 def test_quantized_rows_are_sane(result):
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) >= {"fp8 static", "int8 dynamic", "bf16 compute"}
+    assert set(rows) >= {"fp8 static", "int8 dynamic"}
     for name in ("fp8 static", "int8 dynamic"):
         r = rows[name]
         # small changes, not zero (a quantized model that equals float quantized nothing)
@@ -39,7 +46,8 @@ def test_quantized_rows_are_sane(result):
         assert 0.85 < r["top1_agreement"] < 1.0, r
         assert 0 <= r["generation_agreement"] <= 1
         assert r["sample"].startswith(data.SAMPLE_PROMPT) and len(r["sample"]) > len(
-            data.SAMPLE_PROMPT)
+            data.SAMPLE_PROMPT
+        )
 
 
 def test_unknown_config_is_refused():
