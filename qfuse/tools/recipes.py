@@ -68,6 +68,7 @@ class SweepSpec:
 # name -> module that defines sweep_spec (or a callable returning a SweepSpec)
 _REGISTRY: dict[str, str | Callable[..., SweepSpec]] = {
     "digits": "recipes.ptq_digits",
+    "llm": "recipes.ptq_llm",
     "minilm": "recipes.ptq_minilm",
     "mlp": "recipes.ptq_mlp",
     "resnet": "recipes.ptq_resnet",

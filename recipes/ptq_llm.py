@@ -1,0 +1,410 @@
+"""PTQ and QAT of a trained Llama (``calibration/llm/``, made by ``recipes.train_llm``) with qfuse.
+
+    python -m recipes.ptq_llm                          # every config; CPU, 2 threads
+    python -m recipes.ptq_llm --peer /work/venv-llmc/bin/python   # + llm-compressor, same data
+    python -m recipes.ptq_llm --configs "fp8 static,int8 dynamic" --heldout 64 --no-qat
+
+Each config is used as a user would: ``qfuse.prepare`` on the float model, calibration windows
+through it, ``qfuse.convert(output="model")`` (a ``LlamaForCausalLM`` again, LM head kept float
+as llm-compressor and ModelOpt do), then measured on held-out text the model never saw:
+
+- perplexity, next to the float model's measured the same way (bf16 checkpoint, fp32 compute);
+- top-1 agreement: the share of held-out positions whose greedy next token equals float's;
+- generation agreement: ``generate()`` continues held-out prompts greedily; the share of
+  generated tokens equal to float's continuation at the same position;
+- a text sample from ``generate()``.
+
+"best int8 static" is the int8 static config with the lowest perplexity on the validation
+windows (calibration text the observers never saw), never chosen on held-out text;
+``auto_fallback`` and QAT start from it. ``--peer`` runs ``bench/llm_peer.py`` (llm-compressor
+W8A8, SmoothQuant + GPTQ) in its own venv on the same calibration windows and adds its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import qfuse  # noqa: E402
+from calibration import llm as data  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LM_HEAD = {"lm_head": "LM head kept float (its rounding lands on the logits unaveraged)"}
+
+
+@dataclass
+class Recipe:
+    name: str
+    config: qfuse.QConfig
+    prepare_kwargs: dict = field(default_factory=dict)
+    static_int8: bool = False  # a candidate for "best int8 static"
+
+
+def recipes() -> list[Recipe]:
+    sq = qfuse.SmoothQuant(0.5)
+    asym = qfuse.QConfig.int8_static_asymmetric()
+    return [
+        Recipe("fp8 static", qfuse.QConfig.fp8_static()),
+        Recipe("fp8 dynamic", qfuse.QConfig.fp8_dynamic()),
+        Recipe("int8 dynamic", qfuse.QConfig.int8_dynamic()),
+        Recipe(
+            "int8 dynamic + SmoothQuant + GPTQ",
+            qfuse.QConfig.int8_dynamic(),
+            {"smoothquant": sq, "gptq": qfuse.GPTQ()},
+        ),
+        Recipe("int8 static", qfuse.QConfig.int8_static(), static_int8=True),
+        Recipe("int8 static asym", asym, static_int8=True),
+        Recipe("int8 static asym + SmoothQuant", asym, {"smoothquant": sq}, static_int8=True),
+        # SmoothQuant's default selection smooths Linears fed by a LayerNorm or a Linear; Llama's
+        # RMSNorm (exported as elementwise ops) is neither, so on this model it smooths nothing.
+        # Naming the layers smooths them all (the factors divide each layer's input).
+        Recipe(
+            "int8 static asym + SmoothQuant (all block layers)",
+            asym,
+            {"smoothquant": qfuse.SmoothQuant(0.5, layers=("model.layers.*",))},
+            static_int8=True,
+        ),
+        Recipe(
+            "int8 static asym + SmoothQuant + GPTQ",
+            asym,
+            {"smoothquant": sq, "gptq": qfuse.GPTQ()},
+            static_int8=True,
+        ),
+    ]
+
+
+def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 8):
+    """``qfuse.prepare`` + calibration over the windows' inputs (every dimension dynamic)."""
+    prepared = qfuse.prepare(
+        model,
+        recipe.config,
+        (),
+        example_kwargs={"input_ids": calib[:2, :-1]},
+        **recipe.prepare_kwargs,
+    )
+    with torch.no_grad():
+        for i in range(0, calib.shape[0], batch):
+            prepared(input_ids=calib[i : i + batch, :-1])
+    return prepared
+
+
+def measure(model, ref: dict | None, held, valid, prompts) -> dict:
+    """Perplexities, agreements with the float model's ``ref`` (its own ``measure``; None for
+    the float model itself) and a text sample of one model. Tensors: greedy and generated ids."""
+    t0 = time.perf_counter()
+    ppl, greedy = data.score(model, held)
+    row = dict(perplexity=ppl, validation_perplexity=data.score(model, valid)[0], greedy=greedy)
+    if ref is not None:
+        row["perplexity_change_pct"] = 100 * (ppl / ref["perplexity"] - 1)
+        row["top1_agreement"] = (greedy == ref["greedy"]).float().mean().item()
+    if prompts is not None:
+        row["generated"] = data.generate(model, prompts)
+        if ref is not None:
+            same = row["generated"] == ref["generated"]
+            row["generation_agreement"] = same.float().mean().item()
+        row["sample"] = data.sample(model)
+    row["eval_seconds"] = time.perf_counter() - t0
+    return row
+
+
+def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progress: bool):
+    """QAT from a calibrated PTQ model: its scales and SmoothQuant factors carry over and stay
+    (observers frozen); the weights train by distillation (KL to the float model's next-token
+    distribution) on calibration-text windows the held-out set never shares."""
+    train = torch.cat([data.training_windows(), data.calibration_windows()])
+    # a fresh copy: generate() leaves state on the float model that a train-mode capture trips on
+    student = data.load_model().train()
+    qat = qfuse.prepare_qat(
+        student,
+        recipe.config,
+        (),
+        example_kwargs={"input_ids": train[:2, :-1]},
+        qat=qfuse.QATConfig(observer_freeze_step=0),
+        from_prepared=prepared,
+    )
+    opt = torch.optim.AdamW(
+        [p for p in qat.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
+    )
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in tqdm(range(steps), desc="QAT", disable=not progress):
+        x = train[torch.randint(0, train.shape[0], (8,), generator=gen), :-1]
+        with torch.no_grad():
+            target = torch.log_softmax(model(input_ids=x).logits.float(), -1)
+        logp = torch.log_softmax(data.logits_of(qat(input_ids=x)).float(), -1)
+        loss = torch.nn.functional.kl_div(
+            logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean"
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return qfuse.convert(qat.eval(), output="model", keep_float=LM_HEAD), losses
+
+
+def peer_row(python: str, n_calib: int, n_held: int, n_prompts: int) -> dict:
+    """llm-compressor's W8A8 (``bench/llm_peer.py``) in its own interpreter; its JSON row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.json"
+        cmd = [
+            python,
+            str(ROOT / "bench" / "llm_peer.py"),
+            "--out",
+            str(out),
+            "--calibration",
+            str(n_calib),
+            "--heldout",
+            str(n_held),
+            "--prompts",
+            str(n_prompts),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
+def run(
+    names=None,
+    heldout=None,
+    calibration=None,
+    prompts=16,
+    qat_steps=100,
+    qat_lr=2e-5,
+    fallback_pct=1.0,
+    peer=None,
+    progress=True,
+    bf16=True,
+) -> dict:
+    """Every recipe (or those ``names``) on the trained Llama; the result dict the CLI writes."""
+    chosen = [r for r in recipes() if names is None or r.name in names]
+    unknown = set(names or ()) - {r.name for r in recipes()} - {"auto_fallback", "QAT"}
+    if unknown:
+        raise SystemExit(
+            f"unknown configs {sorted(unknown)}; choose from "
+            f"{[r.name for r in recipes()] + ['auto_fallback', 'QAT']}"
+        )
+    torch.manual_seed(0)
+    model = data.load_model()
+    held = data.heldout_windows(heldout)
+    valid, calib = data.validation_windows(), data.calibration_windows(calibration)
+    prompt_ids = data.prompts(held, prompts) if prompts else None
+    ref = measure(model, None, held, valid, prompt_ids)
+    rows = [dict(config="float (bf16 weights, fp32 compute)", **ref)]
+    if bf16:
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        rows.append(dict(config="bf16 compute", **measure(half, ref, held, valid, prompt_ids)))
+    best = None
+    for recipe in tqdm(chosen, desc="configs", disable=not progress):
+        t0 = time.perf_counter()
+        prepared = calibrate(model, recipe, calib)
+        qmodel = qfuse.convert(prepared, output="model", keep_float=LM_HEAD)
+        row = dict(
+            config=recipe.name,
+            convert_seconds=time.perf_counter() - t0,
+            **measure(qmodel, ref, held, valid, prompt_ids),
+        )
+        rows.append(row)
+        if recipe.static_int8 and (best is None or row["validation_perplexity"] < best[2]):
+            best = (recipe, prepared, row["validation_perplexity"])
+        _print_row(row)
+    if best is not None and (names is None or "auto_fallback" in names):
+        recipe, prepared, _ = best
+        budget = ref["validation_perplexity"] * fallback_pct / 100
+
+        def valid_ppl(m):
+            return data.score(m, valid)[0]
+
+        t0 = time.perf_counter()
+        _, fb = qfuse.auto_fallback(prepared, valid_ppl, max_drop=budget, higher_is_better=False)
+        kept = {**LM_HEAD, **fb.kept_float}
+        qmodel = qfuse.convert(prepared, output="model", keep_float=kept)
+        rows.append(
+            dict(
+                config=f"{recipe.name} + auto_fallback",
+                convert_seconds=time.perf_counter() - t0,
+                kept_float=sorted(fb.kept_float),
+                fallback_evaluations=fb.evaluations,
+                **measure(qmodel, ref, held, valid, prompt_ids),
+            )
+        )
+        _print_row(rows[-1])
+    if best is not None and qat_steps and (names is None or "QAT" in names):
+        recipe, prepared, _ = best
+        t0 = time.perf_counter()
+        name = f"QAT {recipe.name} ({qat_steps} steps)"
+        try:
+            qmodel, losses = qat_finetune(model, recipe, prepared, qat_steps, qat_lr, progress)
+        except Exception as exc:  # noqa: BLE001 - the table keeps the PTQ rows and says why
+            rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
+            print(f"{name}: {rows[-1]['error']}", flush=True)
+        else:
+            rows.append(
+                dict(
+                    config=name,
+                    convert_seconds=time.perf_counter() - t0,
+                    qat_loss=[losses[0], losses[-1]],
+                    **measure(qmodel, ref, held, valid, prompt_ids),
+                )
+            )
+            _print_row(rows[-1])
+    if peer:
+        row = peer_row(peer, calib.shape[0], held.shape[0], prompts)
+        row["perplexity_change_pct"] = 100 * (row["perplexity"] / ref["perplexity"] - 1)
+        rows.append(row)
+        _print_row(row)
+    return dict(
+        model=json.loads((data.DIR / "manifest.json").read_text()),
+        heldout_windows=held.shape[0],
+        calibration_windows=calib.shape[0],
+        validation_windows=valid.shape[0],
+        seq_len=data.SEQ_LEN,
+        prompts=0 if prompt_ids is None else prompt_ids.shape[0],
+        prompt_len=data.PROMPT_LEN,
+        new_tokens=data.NEW_TOKENS,
+        sample_prompt=data.SAMPLE_PROMPT,
+        best_int8_static=None if best is None else best[0].name,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        rows=[_public(r) for r in rows],
+    )
+
+
+def _public(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
+
+
+def _print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['config']:<46} error: {r['error']}", flush=True)
+        return
+    line = f"{r['config']:<46} ppl {r['perplexity']:8.3f}"
+    if "perplexity_change_pct" in r:
+        line += f" ({r['perplexity_change_pct']:+.2f}%)  top1 {r['top1_agreement']:.3f}"
+    if "generation_agreement" in r:
+        line += f"  gen {r['generation_agreement']:.3f}"
+    print(line, flush=True)
+
+
+def markdown(result: dict) -> str:
+    """The README's table from a result file."""
+    lines = [
+        "| config | perplexity | vs float | top-1 agreement | generation agreement |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['config']} | error: {r['error'][:120]} | | | |")
+            continue
+        change = r.get("perplexity_change_pct")
+        cells = [
+            r["config"],
+            f"{r['perplexity']:.3f}",
+            "" if change is None else f"{change:+.2f}%",
+            f"{r['top1_agreement']:.3f}" if "top1_agreement" in r else "",
+            f"{r['generation_agreement']:.3f}" if "generation_agreement" in r else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--heldout", type=int, default=None, help="held-out windows (all)")
+    parser.add_argument("--calibration", type=int, default=None, help="calibration windows")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--qat-steps", type=int, default=100)
+    parser.add_argument("--qat-lr", type=float, default=2e-5)
+    parser.add_argument(
+        "--fallback-pct",
+        type=float,
+        default=1.0,
+        help="auto_fallback budget: validation perplexity increase, % of float's",
+    )
+    parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_ptq_cpu.json")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="print the table of a result file and exit"
+    )
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
+    torch.set_num_threads(args.threads)
+    names = args.configs.split(",") if args.configs else None
+    start = time.perf_counter()
+    result = run(
+        names,
+        args.heldout,
+        args.calibration,
+        args.prompts,
+        args.qat_steps,
+        args.qat_lr,
+        args.fallback_pct,
+        args.peer,
+        progress=sys.stderr.isatty(),
+    )
+    result["seconds"] = time.perf_counter() - start
+    tmp = args.out.with_suffix(".partial")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def sweep_spec(reduced: bool = False):
+    """The trained Llama as a ``qfuse sweep`` recipe: held-out perplexity (lower is better);
+    ``best`` tunes on the validation windows, within 1% of float's perplexity by default.
+
+    ``reduced``: 16 calibration, 8 validation and 16 held-out windows.
+
+    Example:
+        >>> spec = sweep_spec(reduced=True)
+        >>> spec.metric, spec.higher_is_better, len(spec.calibration)
+        ('held-out perplexity', False, 2)
+    """
+    from qfuse.tools import SweepSpec
+
+    model = data.load_model()
+    n = 16 if reduced else None
+    held, valid = data.heldout_windows(n), data.validation_windows(8 if reduced else None)
+    calib = data.calibration_windows(n)
+    float_valid = data.score(model, valid)[0]
+    return SweepSpec(
+        name="llm",
+        model=model,
+        calibration=[{"input_ids": calib[i : i + 8, :-1]} for i in range(0, calib.shape[0], 8)],
+        evaluate=lambda m: data.score(m, held)[0],
+        validate=lambda m: data.score(m, valid)[0],
+        example={"input_ids": held[:8, :-1]},
+        metric="held-out perplexity",
+        higher_is_better=False,
+        default_max_drop=0.01 * float_valid,
+        description=(
+            f"The trained 4-layer Llama of calibration/llm/ (stdlib sources, 4096-token BPE): "
+            f"perplexity on {held.shape[0]} held-out windows of {data.SEQ_LEN} tokens; "
+            f"calibration {calib.shape[0]} windows; `best` tunes on {valid.shape[0]} validation "
+            f"windows within 1% of float's perplexity. Latency: one forward of 8 x "
+            f"{data.SEQ_LEN} tokens."
+        ),
+    )
