@@ -47,6 +47,13 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
+def _own_storage(value):
+    """A view as a tensor of its own (same values); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value._base is not None:
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple,
@@ -65,6 +72,11 @@ def capture(
         example_inputs = (example_inputs,)
     check_not_quantized(model)
     check_example_tensors(example_inputs, kwargs)
+    # Export guards a view input through its base (``input_ids._base.size()``): captured from a
+    # slice of a batch, the graph then failed on every tensor that is not itself a view ("'NoneType'
+    # object has no attribute 'size'"; torch 2.11's guards also pinned the slice's strides).
+    example_inputs = pytree.tree_map(_own_storage, example_inputs)
+    kwargs = pytree.tree_map(_own_storage, kwargs)
     modes = {m: m.training for m in model.modules()}  # the user's modes, restored below
     model.train(training)
     try:
