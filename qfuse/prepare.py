@@ -14,7 +14,6 @@ from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.gated import merge_siblings as merge_sibling_layers
 from qfuse.fusion.gemms import leftover_gemms
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.guards import guard_input_types
 from qfuse.fusion.patterns import Chain, find_chains
 from qfuse.gptq import GPTQ
 from qfuse.gptq import select as gptq_select
@@ -170,7 +169,6 @@ def prepare(
                 anchor.args = (obs_node, *anchor.args[1:])
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
-    guard_input_types(gm)  # wrong dtype/device: a QFuseError naming the input (fusion.guards)
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
     state.merged = merged
     state.smoothquant, state.smoothed = smoothquant, smoothed
