@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from qfuse.errors import CaptureError, ShapeError
 from qfuse.fusion.gemms import canonicalize_gemms
+from qfuse.fusion.guards import guard_input_types
 from qfuse.shapes import guard_inputs
 from qfuse.validate import (
     check_example_tensors,
@@ -113,6 +114,7 @@ def capture(
     follow_input_device(gm)
     guard_inputs(gm)
     canonicalize_gemms(gm)
+    guard_input_types(gm)  # another dtype or device: a QFuseError naming the input
     return gm
 
 

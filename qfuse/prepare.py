@@ -11,7 +11,6 @@ from qfuse.capture import capture
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.fusion.guards import guard_input_types
 from qfuse.fusion.patterns import Chain
 from qfuse.gptq import GPTQ
 from qfuse.gptq import select as gptq_select
@@ -199,7 +198,6 @@ def prepare_pipeline(
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
     folded = run.records.get("fold_batchnorm", [])
-    guard_input_types(gm)  # wrong dtype/device: a QFuseError naming the input (fusion.guards)
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
     state.merged, state.pipeline, state.passes = run.merged, options, dict(run.records)
     state.smoothquant, state.smoothed = smoothquant, smoothed

@@ -6,6 +6,7 @@ import os
 import pytest
 
 import qfuse.fileio as atomic
+from qfuse.errors import QFuseError
 from qfuse.fileio import atomic_path
 
 
@@ -42,9 +43,12 @@ def test_failure_before_anything_was_written(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_missing_directory_is_the_writers_error(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        with atomic_path(tmp_path / "no" / "such" / "m.ts") as tmp:
+def test_a_missing_directory_is_created_and_a_directory_refused(tmp_path):
+    with atomic_path(tmp_path / "no" / "such" / "m.ts") as tmp:  # issue 23: save into a new dir
+        open(tmp, "wb").close()
+    assert (tmp_path / "no" / "such" / "m.ts").is_file()
+    with pytest.raises(QFuseError, match="is a folder"):
+        with atomic_path(tmp_path / "no") as tmp:
             open(tmp, "wb").close()
 
 

@@ -76,9 +76,13 @@ def guard_input_types(gm: fx.GraphModule) -> int:
     anchor = ref
     for node in placeholders:
         dtype = node.meta["val"].dtype
+        name = node.name  # the checked value keeps the input's name (observers, QAT use it)
+        node._rename(f"{name}_unchecked")
+        gm.graph._graph_namespace._used_names.discard(name)  # free the name for the check
         with gm.graph.inserting_after(anchor):
-            checked = gm.graph.call_function(
-                check_input, (node, f"input {node.target!r}", dtype, ref))
+            checked = gm.graph.create_node(
+                "call_function", check_input, (node, f"input {node.target!r}", dtype, ref),
+                name=name)
         checked.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(checked, delete_user_cb=lambda u, c=checked: u is not c)
         anchor = checked
