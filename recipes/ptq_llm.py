@@ -55,7 +55,10 @@ class Recipe:
 
 
 def recipes() -> list[Recipe]:
-    sq = qfuse.SmoothQuant(0.5)
+    # SmoothQuant's default selection smooths Linears fed by a LayerNorm or a Linear; Llama's
+    # RMSNorm (exported as elementwise ops) is neither, so on this model it selects nothing and
+    # raises. Naming the layers smooths them all (the factors divide each layer's input).
+    sq = qfuse.SmoothQuant(0.5, layers=("model.layers.*",))
     asym = qfuse.QConfig.int8_static_asymmetric()
     return [
         Recipe("fp8 static", qfuse.QConfig.fp8_static()),
@@ -69,15 +72,6 @@ def recipes() -> list[Recipe]:
         Recipe("int8 static", qfuse.QConfig.int8_static(), static_int8=True),
         Recipe("int8 static asym", asym, static_int8=True),
         Recipe("int8 static asym + SmoothQuant", asym, {"smoothquant": sq}, static_int8=True),
-        # SmoothQuant's default selection smooths Linears fed by a LayerNorm or a Linear; Llama's
-        # RMSNorm (exported as elementwise ops) is neither, so on this model it smooths nothing.
-        # Naming the layers smooths them all (the factors divide each layer's input).
-        Recipe(
-            "int8 static asym + SmoothQuant (all block layers)",
-            asym,
-            {"smoothquant": qfuse.SmoothQuant(0.5, layers=("model.layers.*",))},
-            static_int8=True,
-        ),
         Recipe(
             "int8 static asym + SmoothQuant + GPTQ",
             asym,
