@@ -22,6 +22,7 @@ bench/results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -89,9 +90,11 @@ def peak_gb(device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
-def _log_stages(device) -> None:
-    """Print each stage's start (elapsed seconds, peak GPU memory so far) on rank 0: tqdm is
-    quiet off a terminal, and a run cut off by a time limit still says how far it got."""
+@contextlib.contextmanager
+def _log_stages(device):
+    """Print each stage's start (elapsed seconds, peak GPU memory so far) on rank 0 while in
+    the block: tqdm is quiet off a terminal, and a run cut off by a time limit still says how
+    far it got."""
     import qfuse.calibrate.sequential as seq
 
     plain, t0 = seq._progress, time.perf_counter()
@@ -109,18 +112,23 @@ def _log_stages(device) -> None:
         return walk()
 
     seq._progress = stages
+    try:
+        yield
+    finally:
+        seq._progress = plain
 
 
 def run_sequential(prepared, data, device, args) -> dict:
-    if int(os.environ.get("RANK", "0")) == 0:
-        _log_stages(device)
+    log = _log_stages(device) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    calibrate_sequential(
-        prepared, data, device=device, checkpoint_dir=args.checkpoint_dir, offload=args.offload
-    )
+    with log:
+        calibrate_sequential(
+            prepared, data, device=device, checkpoint_dir=args.checkpoint_dir,
+            offload=args.offload,
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"wall_s": time.perf_counter() - t0, "peak_gpu_gb": peak_gb(device)}

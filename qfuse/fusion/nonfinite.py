@@ -138,3 +138,24 @@ def guard_model(model: nn.Module) -> int:
             module.register_forward_hook(_poison_hook)
             hooked += 1
     return hooked
+
+
+def strip_marks(gm: fx.GraphModule) -> int:
+    """Remove ``guard_graph``'s marks from ``gm`` (in place): every poisoned output reads the
+    layer's own output again, and the marks go. For exporters whose target has no such ops (an
+    ONNX QDQ graph: there a non-finite input quantizes to a finite code, as in any int8 engine).
+    Returns how many outputs were un-poisoned."""
+    marks = (nonfinite_rows, any_marks, merge_marks)
+    stripped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is poison_rows:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            stripped += 1
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.target in marks and not node.users:
+            gm.graph.erase_node(node)
+    if stripped:
+        gm.graph.lint()
+        gm.recompile()
+    return stripped

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qfuse
+from qfuse.fusion.nonfinite import strip_marks
 from tests.models import LNBlock, MLPBlock
 
 
@@ -34,12 +35,18 @@ def _graphs(fn, *args):
 def test_one_op_node_per_fused_layer_and_no_graph_break():
     x = torch.randn(4, 8, 32)
     q = _converted(MLPBlock(), qfuse.QConfig.int8_static(), x)
-    (gm,) = _graphs(q, x)
     qlinear = (torch.ops.qfuse.qlinear, torch.ops.qfuse.qlinear.default)
-    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in qlinear]
-    assert len(ops) == 2  # up (GELU, int8 out) and down (+ residual)
+
+    def qlinear_nodes(gm):
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in qlinear]
+
+    (gm,) = _graphs(q, x)  # one graph (fullgraph), the NaN/Inf marks' small ops beside the ops
+    assert len(qlinear_nodes(gm)) == 2  # up (GELU, int8 out) and down (+ residual)
+    assert strip_marks(q) > 0
+    (gm,) = _graphs(q, x)
+    ops = qlinear_nodes(gm)
     others = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    assert others == ops  # nothing else was traced: the ops are the whole graph
+    assert others == ops  # without the marks nothing else was traced: the ops are the graph
     assert "gelu" in ops[0].args and torch.int8 in ops[0].args
 
 

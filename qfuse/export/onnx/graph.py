@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from qfuse.errors import UnsupportedError
 from qfuse.export.onnx.layers import GATED_ACTIVATIONS, ActivationQParams, QDQConv2d, QDQLinear
+from qfuse.fusion.nonfinite import strip_marks
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.base import QuantizedModule
 from qfuse.ops.layernorm import layer_norm_quant_call
@@ -145,6 +146,9 @@ def rewrite(gm: fx.GraphModule, act_dtype: torch.dtype) -> tuple[fx.GraphModule,
         warnings.simplefilter("ignore", FutureWarning)
         gm = copy.deepcopy(gm)
     layers, notes = [], []
+    if strip_marks(gm):
+        notes.append("NaN/Inf marks (qfuse.fusion.nonfinite) are not written: in the ONNX graph "
+                     "a non-finite input quantizes to a finite code, as in any int8 engine")
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
