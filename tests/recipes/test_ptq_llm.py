@@ -19,8 +19,8 @@ from recipes import ptq_llm  # noqa: E402
 def result():
     return ptq_llm.run(
         ["fp8 static", "int8 dynamic"],
-        heldout=8,
-        calibration=8,
+        heldout=4,
+        calibration=4,
         prompts=2,
         qat_steps=0,
         progress=False,
