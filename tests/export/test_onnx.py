@@ -127,7 +127,8 @@ def test_mlp_matches_qfuse_in_onnxruntime(name, mlp_export):
     assert meta["qfuse.notes"] == result.notes and meta["qfuse.layers"] == result.layers
     ops = optimized_ops(str(path))
     if name == "int8-dynamic":  # no QDQ form: the explicit per-token quantization + MatMulInteger
-        assert ops["MatMulInteger"] == 4 and all("per-token" in n for n in result.notes)
+        layer_notes = [n for n in result.notes if not n.startswith("NaN/Inf marks")]
+        assert ops["MatMulInteger"] == 4 and all("per-token" in n for n in layer_notes)
     elif name == "fp8":  # float8 Q/DQ run in onnxruntime; it has no fp8 GEMM on CPU
         dqs = weight_dequantizers(model, "MatMul")
         inits = initializer_dtypes(model)
