@@ -133,7 +133,17 @@ PLANS["decode"] = (
     ("prefill", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "compile", ("torchao_fp8",)),
 )
+# generate() as a user calls it (static cache, transformers' own compile), then the step rows
+# that explain it: batch-1 decode graphed and compiled.
+PLANS["generate"] = (
+    ("generate", 1, "generate", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
+)
 PLANS["all"] = PLANS["graph"] + PLANS["compile"]
+# New tokens of the two timed generate() calls: their difference over the extra tokens is the
+# per-token time, without the prefill and the first call's setup.
+GENERATE_TOKENS = (16, 80)
 
 # Kernel classes by name, first match wins. Inductor names fused kernels after their ops (a
 # fused RMSNorm has rsqrt in its name); cuBLAS on Hopper names GEMMs nvjet_* / gemv*.
@@ -455,6 +465,8 @@ TARGETS = (  # issue #14: (phase, batch, baseline, its impls and modes, the rati
     ("decode", 1, "bf16 best", ("bf16",), None, 1.6),
     ("decode", 1, "torchao best", TORCHAO, None, 1.2),
     ("prefill", 1, "bf16 compiled", ("bf16",), "compile", 1.3),
+    # issue #22: generate() with a static cache, as a user calls it
+    ("generate", 1, "bf16 generate", ("bf16",), "generate", 1.35),
 )
 
 
@@ -504,7 +516,8 @@ def table(rows) -> str:
         lines.append(
             f"{head} {r['median_us']:.0f} | {r['tokens_per_s']:.0f} | {r.get('x_bf16', '')} | "
             f"{r.get('x_bf16_best', '')} | {r.get('x_torchao_best', '')} | "
-            f"{r['max_rel_err']:.3g} | {r['argmax_agree']:.2f} |")
+            f"{r.get('max_rel_err', float('nan')):.3g} | "
+            f"{r.get('argmax_agree', r.get('token_agree', float('nan'))):.2f} |")
     return "\n".join(lines)
 
 
@@ -575,6 +588,12 @@ def main(argv=None):
         for phase, batch, mode, group in PLANS[args.plan]:
             if mode not in modes or (phase == "decode" and batch not in batches):
                 continue
+            if phase == "generate":
+                for impl in group:
+                    if impl in models and impl in impls:
+                        generate_row(rows, out_path, impl, models[impl], batch, prompt,
+                                     bf16.config.vocab_size, device)
+                continue
             if (phase, batch) not in steps:
                 step = Step(bf16.config, phase, batch, prompt, slots, device)
                 steps[phase, batch] = step
@@ -612,6 +631,59 @@ def main(argv=None):
         print(goal, flush=True)
     print(f"wrote {out_path}")
     return rows
+
+
+_GENERATED: dict = {}  # bf16's tokens per (batch, prompt): the agreement of the others
+
+
+def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device) -> None:
+    """``model.generate(..., cache_implementation="static")`` greedy, as a user calls it
+    (transformers compiles the decode step itself for a static cache): wall time of
+    ``GENERATE_TOKENS`` new tokens (median of 3 after a warm-up that compiles), per-token
+    time from their difference; ``token_agree``: share of new tokens equal to bf16's."""
+    row = dict(impl=impl, mode="generate", phase="generate", batch=batch, seq=prompt)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
+    t_row = time.time()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def gen(n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False,
+                              cache_implementation="static")
+
+    try:
+        torch._dynamo.reset()
+        short, long = GENERATE_TOKENS
+        out = gen(long)  # compiles
+        gen(short)
+        times = {}
+        for n in GENERATE_TOKENS:
+            walls = []
+            for _ in range(3):
+                sync()
+                t0 = time.perf_counter()
+                gen(n)
+                sync()
+                walls.append(time.perf_counter() - t0)
+            times[n] = sorted(walls)[1]
+        per_token = (times[long] - times[short]) / (long - short)
+        new = out[:, prompt:]
+        ref = _GENERATED.setdefault((batch, prompt), new) if impl == "bf16" else (
+            _GENERATED.get((batch, prompt)))
+        row.update(median_us=per_token * 1e6, tokens_per_s=batch / per_token,
+                   wall_s_short=times[short], wall_s_long=times[long])
+        if ref is not None:
+            row["token_agree"] = (new == ref).double().mean().item()
+    except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash
+        row["error"] = harness.error_text(exc)
+    row["wall_s"] = round(time.time() - t_row, 1)
+    rows.append(row)
+    print(row, flush=True)
+    checkpoint(out_path, rows)
 
 
 def one_row(rows, out_path, impl, mode, step, model, ref, gate) -> None:

@@ -148,10 +148,18 @@ def run_row(rows, model_name, batch, impl, mode, fn, ref, out_path):
     harness.write_results(out_path, rows)  # keep what was measured if a later row dies
 
 
+# Modes to time (``--modes``): "graph" alone still compiles (it replays the compiled callable).
+MODES = ("eager", "compile", "graph")
+
+
 def modes_of(impl: str) -> tuple[str, ...]:
     if impl == "fp32":
-        return ("eager",)
-    return ("compile", "graph") if impl.startswith("torchao") else ("eager", "compile", "graph")
+        base = ("eager",)
+    elif impl.startswith("torchao"):
+        base = ("compile", "graph")
+    else:
+        base = ("eager", "compile", "graph")
+    return tuple(m for m in base if m in MODES)
 
 
 def launch_modes(model) -> dict[str, int]:
@@ -220,7 +228,10 @@ def bench_model(model_name, batches, impls, rows, out_path, done=frozenset(), de
             fn = lambda c=compiled, i=inp: c(**i)  # noqa: E731
             # torchao's rows compile (at their first call) with torchao's Inductor settings
             with harness.torchao_inductor() if impl.startswith("torchao") else nullcontext():
-                run_row(rows, model_name, batch, impl, "compile", fn, ref, out_path)
+                if "compile" in modes_of(impl):
+                    run_row(rows, model_name, batch, impl, "compile", fn, ref, out_path)
+                else:
+                    fn()  # compiled here, at its first call, not inside the graph capture
             try:
                 replay = graphed(fn)
             except Exception as exc:  # noqa: BLE001
@@ -263,16 +274,22 @@ def resumed_rows(path: str) -> list[dict]:
 
 
 def main():
+    global MODES, SEQ
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm-l6,bert-base")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--impls", default="fp32,bf16,torchao_int8,torchao_fp8,qfuse_int8,qfuse_fp8")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="eager,compile,graph (whole models are judged by graph)")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     ap.add_argument("--out", default=None)
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows --out already holds for this commit; run the rest")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new (batch, impl) after this many seconds")
     args = ap.parse_args()
+    MODES = tuple(args.modes.split(","))
+    SEQ = args.seq
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     out_path = args.out or str(Path(__file__).parent / "results" / f"models_{gpu}.json")
     rows = resumed_rows(out_path) if args.resume else []

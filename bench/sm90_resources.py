@@ -23,6 +23,8 @@ from qfuse.kernels.common import ACTIVATION_CODES
 
 PTXAS = str(__import__("pathlib").Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
+# Integer arguments a model's launch passes as multiples of 16 (dims and row strides).
+ALIGNED_INTS = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"}
 
 
 def compile_variant(tma: bool, fp8: bool, act: str, out_q: int, zp: bool, bm: int, bn: int,
@@ -42,9 +44,16 @@ def compile_variant(tma: bool, fp8: bool, act: str, out_q: int, zp: bool, bm: in
               OUT_Q=out_q, HAS_OUT_ZP=zp and out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False,
               FAST_ACT=act != "none", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=1,
               EPI_SPLIT=epi, FLATTEN=False)
+    # Unit strides are constexpr 1 and pointers / multiples of 16 carry tt.divisibility = 16,
+    # as the JIT specializes a real launch (without them loads are not vectorized and the
+    # K loop is not pipelined: the counts would describe another kernel).
+    cx.update(stride_xk=1, stride_wk=1, stride_rn=1, stride_on=1)
     cx = {k: v for k, v in cx.items() if k in names}
     sig = {k: ("constexpr" if k in cx else v) for k, v in sig.items() if k in names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)
+    aligned = [i for i, n in enumerate(names) if n not in cx and n != "M"
+               and (sig[n].startswith("*") or n in ALIGNED_INTS)]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx,
+                                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=TARGET, options={"enable_fp_fusion": False,
                                                     "num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:

@@ -28,6 +28,9 @@ class Variant:
     quantized_out: bool = False
     dynamic: bool = False
     fast_act: bool = False  # hardware erf/exp GELU/SiLU epilogue (the GPU default in QLinear)
+    # int8 with zero points, as an asymmetric static model runs it: x's zero point folded into
+    # the bias by nn.QLinear (no weight_sum), the requantized output's zero point in the kernel
+    asym: bool = False
 
     @property
     def table_kind(self) -> str:
@@ -37,6 +40,7 @@ class Variant:
 
 def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
     qdtype = FP8 if v.kind.startswith("fp8") else torch.int8
+    zp = v.asym and qdtype == torch.int8
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     if v.kind.endswith("xq"):
         x = (x * 20).clamp(-127, 127).to(qdtype)
@@ -46,9 +50,13 @@ def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
         x=x, weight=w, scale=torch.rand(N, device=device) * 1e-4,
         bias=torch.randn(N, device=device),
         x_inv_scale=one * 20 if v.kind.endswith("xf") and not v.dynamic else None,
-        x_zero_point=None, weight_sum=None,
+        x_zero_point=torch.tensor(3, dtype=torch.int32, device=device) if zp else None,
+        weight_sum=None,
         residual=torch.randn(M, N, device=device).to(torch.bfloat16) if v.residual else None,
-        out_inv_scale=one if v.quantized_out else None, out_zero_point=None, act=v.act,
+        out_inv_scale=one if v.quantized_out else None,
+        out_zero_point=(torch.tensor(-7, dtype=torch.int32, device=device)
+                        if zp and v.quantized_out else None),
+        act=v.act,
         out_dtype=qdtype if v.quantized_out else torch.bfloat16,
         x_scale=torch.rand(M, device=device) if v.dynamic and v.kind.endswith("xq") else None,
     )

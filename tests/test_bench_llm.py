@@ -40,6 +40,23 @@ def test_tiny_run_writes_checked_rows(tmp_path):
     assert abs(q["x_bf16"] - bf16["median_us"] / q["median_us"]) < 1e-2
 
 
+def test_generate_rows_time_generate_as_a_user_calls_it(tmp_path):
+    out = tmp_path / "llm.json"
+    bench_llm.main(["--tiny", "--plan", "generate", "--modes", "generate",
+                    "--impls", "bf16,qfuse_int8", "--out", str(out)])
+    data = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert set(rows) == {"bf16", "qfuse_int8"}
+    for r in rows.values():
+        assert r["phase"] == r["mode"] == "generate" and "error" not in r, r
+        # per-token time from 16 vs 80 new tokens: the longer call took longer
+        assert r["wall_s_long"] > r["wall_s_short"] > 0 and r["median_us"] > 0
+        assert 0 <= r["token_agree"] <= 1
+    assert rows["bf16"]["token_agree"] == 1.0 and rows["bf16"]["x_bf16"] == 1.0
+    (goal,) = [t for t in data["targets"] if t["target"] == "generate batch 1 vs bf16 generate"]
+    assert goal["want"] == 1.35 and goal["met"] == (goal["x"] >= 1.35)
+
+
 def test_unknown_impl_is_refused():
     import pytest
 

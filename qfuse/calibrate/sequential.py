@@ -133,15 +133,21 @@ def round_chains(prepared: fx.GraphModule, chains, group=None) -> int:
     costs = [float(w[0].numel()) ** 2 * w.shape[0] for w in weights]  # K^2 N
     owners = assign(costs, world_size(group))
     me = rank(group)
-    for chain, weight, owner in zip(jobs, weights, owners, strict=True):
-        recorder = prepared.get_submodule(state.hessians[chain.name])
-        scale = weight_scale(weight, dtype, per_channel)
-        q = None
+    # Every rank rounds all of its own layers first, then the results are exchanged: a
+    # broadcast after each layer would hold the other ranks at it until the owner finished,
+    # and the ranks would take turns instead of rounding at the same time.
+    mine = {}
+    for i, (chain, weight, owner) in enumerate(zip(jobs, weights, owners, strict=True)):
         if owner == me:
-            q = round_layer(recorder, chain.name, weight, scale, dtype, state.gptq)
-        if world_size(group) > 1:
-            q = share(q, weight.shape, owner, weight.device, group)
+            recorder = prepared.get_submodule(state.hessians[chain.name])
+            scale = weight_scale(weight, dtype, per_channel)
+            mine[i] = round_layer(recorder, chain.name, weight, scale, dtype, state.gptq)
+    if world_size(group) > 1:
+        for i, (chain, weight, owner) in enumerate(zip(jobs, weights, owners, strict=True)):
+            q = share(mine.get(i), weight.shape, owner, weight.device, group)
             if owner != me:
+                recorder = prepared.get_submodule(state.hessians[chain.name])
+                scale = weight_scale(weight, dtype, per_channel)
                 remember(recorder, chain.name, weight, scale, dtype, state.gptq, q)
     return len(jobs)
 

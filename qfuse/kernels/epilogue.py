@@ -64,6 +64,28 @@ def scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_
 
 
 @triton.jit
+def start_acc(offs_n, N, x_zp_ptr, wsum_ptr, FIRST, FP8: tl.constexpr, ZP_CORR: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The accumulator a tile's K loop starts from: zeros, or (``ZP_CORR``, int8 with an
+    activation zero point) ``-zp_x * colsum(W)[n]`` in every row, so the loop's sum is already
+    ``acc - zp_x * colsum(W)`` and the epilogue skips the correction (``HAS_X_ZP=False`` to
+    ``finish_tile``). Integer addition is exact, so the result is bit-identical to correcting
+    afterwards; the column sums are live only before the loop, where the accumulator is not
+    yet, instead of beside it in the epilogue (an asymmetric GELU tile spilled there).
+    ``FIRST``: whether this program's K range starts at 0 (under split-K only that partial
+    takes the correction)."""
+    if FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        if ZP_CORR:
+            wsum = tl.load(wsum_ptr + offs_n, mask=offs_n < N, other=0)
+            corr = tl.where(FIRST, tl.load(x_zp_ptr) * wsum, 0)
+            acc = acc - corr[None, :]
+    return acc
+
+
+@triton.jit
 def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.constexpr,
                  HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr,
                  EXACT: tl.constexpr):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from qfuse.kernels.common import quantize_fp8, quantize_int8, tile_indices
-from qfuse.kernels.epilogue import finish_tile, split_k_reduce
+from qfuse.kernels.epilogue import finish_tile, split_k_reduce, start_acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -78,10 +78,7 @@ def _qlinear_kernel(
             x_zp = tl.load(x_zp_ptr).to(tl.float32)
 
     # ---- main loop: int8 / fp8 tensor-core MMA ----
-    if FP8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = start_acc(offs_n, N, x_zp_ptr, wsum_ptr, k_first == 0, FP8, ZP_CORR, BLOCK_M, BLOCK_N)
     for k in range(k_first, k_tiles):
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
@@ -108,7 +105,7 @@ def _qlinear_kernel(
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
             stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            X_ROW_SCALE, False, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
             OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
         )
 
@@ -151,10 +148,7 @@ def _qlinear_persistent_kernel(
         cols = tl.where(offs_n < N, offs_n, 0)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
         w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
-        if FP8:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc = start_acc(offs_n, N, x_zp_ptr, wsum_ptr, True, FP8, ZP_CORR, BLOCK_M, BLOCK_N)
         for k in range(0, k_tiles):
             k_left = K - k * BLOCK_K
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
@@ -175,6 +169,6 @@ def _qlinear_persistent_kernel(
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
             stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            X_ROW_SCALE, False, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
             OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
         )

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qfuse.kernels.common import tile_indices
-from qfuse.kernels.epilogue import finish_tile
+from qfuse.kernels.epilogue import finish_tile, start_acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -66,10 +66,8 @@ def _qlinear_tma_kernel(
         pid_m, pid_n = tile_indices(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
-        if FP8:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        acc = start_acc(offs_n, N, x_zp_ptr, wsum_ptr, True, FP8, ZP_CORR, BLOCK_M, BLOCK_N)
         for k in range(0, k_tiles):
             a = x_desc.load([row0, k * BLOCK_K])
             b = w_desc.load([col0, k * BLOCK_K])
@@ -80,7 +78,7 @@ def _qlinear_tma_kernel(
             scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
             out_zp_ptr, out_ptr,
             stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            X_ROW_SCALE, False, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
             OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
         )
 
