@@ -95,8 +95,10 @@ def _files(path: str) -> list[str]:
             )
         return [os.path.join(path, f) for f in found]
     if not os.path.exists(path):
-        raise WeightsError(f"weights={path!r} does not exist; pass a checkpoint folder, its "
-                           f"{INDEX} or a .safetensors file.")
+        raise WeightsError(
+            f"weights={path!r} does not exist; pass a checkpoint folder, its "
+            f"{INDEX} or a .safetensors file."
+        )
     if path.endswith(".json"):
         try:
             with open(path) as f:
@@ -106,8 +108,9 @@ def _files(path: str) -> list[str]:
         folder = os.path.dirname(path)
         return [os.path.join(folder, f) for f in dict.fromkeys(weight_map.values())]
     if not path.endswith(".safetensors"):
-        raise WeightsError(f"weights={path!r} is neither a folder, an index .json nor a "
-                           ".safetensors file.")
+        raise WeightsError(
+            f"weights={path!r} is neither a folder, an index .json nor a .safetensors file."
+        )
     return [path]
 
 
@@ -124,11 +127,15 @@ class Checkpoint:
                 with safe_open(file, framework="pt") as f:
                     for key in f.keys():
                         if key in self.file:
-                            raise WeightsError(f"{key} is in both {self.file[key]} and {file}; "
-                                               "pass the checkpoint's index.json.")
+                            raise WeightsError(
+                                f"{key} is in both {self.file[key]} and {file}; "
+                                "pass the checkpoint's index.json."
+                            )
                         s = f.get_slice(key)
-                        self.file[key], self.header[key] = file, (tuple(s.get_shape()),
-                                                                  s.get_dtype())
+                        self.file[key], self.header[key] = (
+                            file,
+                            (tuple(s.get_shape()), s.get_dtype()),
+                        )
             except (OSError, SafetensorError) as exc:
                 raise WeightsError(f"{file}: unreadable safetensors file ({exc}).") from exc
 
@@ -199,24 +206,11 @@ class ShardedWeights:
             names_of.setdefault(id(t), []).append(name)
             self.meta[id(t)] = t
         merges = _merges(state)
-        prefix = self._prefix([n for n in meta if n not in merges])
         self.sources: dict[int, Source] = {}
         self.names: dict[int, list[str]] = names_of
         for i, names in names_of.items():
-            self.sources[i] = self._source(names, self.meta[i], merges, prefix)
+            self.sources[i] = self._source(names, self.meta[i], merges)
         self.bind([prepared])
-
-    def _prefix(self, names: list[str]) -> str:
-        """What the checkpoint's keys put before the graph's names: "" or, for a model captured
-        from a submodule of the one saved, that module's path (``model.``)."""
-        keys = self.ckpt.file
-        if not names or any(n in keys for n in names):
-            return ""
-        for name in names:
-            found = [k for k in keys if k.endswith("." + name)]
-            if len(found) == 1:
-                return found[0][: -len(name)]
-        return ""
 
     def _where(self, key: str) -> str:
         return self.ckpt.file.get(key, self.ckpt.path)
@@ -250,19 +244,17 @@ class ShardedWeights:
             f"(looked for {looked}).{hint}"
         )
 
-    def _source(self, names, t, merges, prefix) -> Source:
+    def _source(self, names, t, merges) -> Source:
         if t.numel() == 0:
             return Source("empty")
         for name in names:
-            for key in dict.fromkeys([name, prefix + name]):
-                if key in self.ckpt.file:
-                    self._check(name, key, t.shape, t.dtype)
-                    return Source("key", (key,))
+            if name in self.ckpt.file:
+                self._check(name, name, t.shape, t.dtype)
+                return Source("key", (name,))
         merged = next((n for n in names if n in merges), None)
         if merged is None:
-            raise self._missing(names[0], list(dict.fromkeys([*names, *(prefix + n for n in names)])))
-        how, members = merges[merged]
-        keys = [prefix + m if prefix + m in self.ckpt.file else m for m in members]
+            raise self._missing(names[0], names)
+        how, keys = merges[merged]
         bias = merged.endswith(".bias")
         parts: list[str | int] = []
         for key in keys:
@@ -271,17 +263,21 @@ class ShardedWeights:
             elif bias and key[: -len("bias")] + "weight" in self.ckpt.file:  # member without bias
                 parts.append(self.ckpt.header[key[: -len("bias")] + "weight"][0][0])
             else:
-                raise self._missing(f"{merged} (merged from {members})", [key])
+                raise self._missing(f"{merged} (merged from {keys})", [key])
         rows = [self.ckpt.header[p][0][0] if isinstance(p, str) else p for p in parts]
         if how == "interleave" and len(set(rows)) != 1:
-            raise WeightsError(f"{keys} in {self._where(keys[0])}: gate and up have {rows} rows; "
-                               f"the prepared model's {merged} interleaves equal halves.")
+            raise WeightsError(
+                f"{keys} in {self._where(keys[0])}: gate and up have {rows} rows; "
+                f"the prepared model's {merged} interleaves equal halves."
+            )
         for key, n in zip(parts, rows, strict=True):
             if isinstance(key, str):
                 self._check(f"{merged} (rows of {key})", key, (n, *t.shape[1:]), t.dtype)
         if sum(rows) != t.shape[0]:
-            raise WeightsError(f"{keys} in {self._where(keys[0])} have {sum(rows)} rows in all; "
-                               f"the prepared model's {merged} has {t.shape[0]}.")
+            raise WeightsError(
+                f"{keys} in {self._where(keys[0])} have {sum(rows)} rows in all; "
+                f"the prepared model's {merged} has {t.shape[0]}."
+            )
         return Source(how, tuple(parts))
 
     def bind(self, roots: Iterable[nn.Module]) -> None:
