@@ -50,10 +50,8 @@ def _by_chain(gm) -> dict:
                 out[f"{chain.name}.{kind}.{key}"] = value
         for (name, _, _), hit in gm.get_submodule(recorders["hessian"]).solved.items():
             if name == chain.name:
-                out[f"{chain.name}.gptq.codes"], out[f"{chain.name}.gptq.scale"] = (
-                    hit.codes,
-                    hit.scale,
-                )
+                out[f"{chain.name}.gptq.codes"] = hit.codes
+                out[f"{chain.name}.gptq.scale"] = hit.scale
     return out
 
 
