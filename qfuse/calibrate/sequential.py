@@ -2,7 +2,8 @@
 time on the GPU while the model stays on the CPU.
 
 The prepared graph is cut into stages (``stages.py``): prefix, one per decoder/encoder layer,
-tail. Each stage in turn moves its parameters and recorders to ``device``, runs every batch
+tail. Each stage in turn moves its parameters and recorders to ``device`` (or, with
+``weights=``, reads them there from a safetensors checkpoint: ``shards.py``), runs every batch
 from the values the stages before it computed (kept on ``device``, or on the CPU with
 ``offload=True``), merges its statistics across ranks, rounds its GPTQ layers (spread over the
 ranks), checkpoints, and goes back to the CPU. Peak GPU memory is one block plus the cached
