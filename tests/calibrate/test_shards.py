@@ -10,49 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qfuse
-from qfuse.calibrate import init_empty_weights, sequential
+from qfuse.calibrate import sequential
 from qfuse.errors import CalibrationError, WeightsError
-from qfuse.state import get_state
-from tests.calibrate.conftest import LAYER_CONFIGS
-
-
-@pytest.fixture(scope="module")
-def shards(llama, tmp_path_factory):
-    """(the checkpoint folder, a meta twin prepared from the same config, batches, the fully
-    loaded model calibrated sequentially)."""
-    prepared, batches = llama
-    model = get_state(prepared).source.model
-    folder = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(folder, max_shard_size="200KB")
-    with init_empty_weights():
-        twin = type(model)(model.config).eval()
-    meta = qfuse.prepare(
-        twin,
-        qfuse.QConfig.int8_static(),
-        (),
-        example_kwargs=batches[0],
-        gptq=qfuse.GPTQ(),
-        layer_configs=LAYER_CONFIGS,
-    )
-    loaded = qfuse.calibrate_sequential(copy.deepcopy(prepared), batches, device="cpu")
-    return folder, meta, batches, loaded
-
-
-def _by_chain(gm) -> dict:
-    """Every recorder's state and GPTQ result, by layer name (the node names of a graph
-    captured on meta differ from a loaded one's)."""
-    state = get_state(gm)
-    out = {}
-    for chain in state.chains:
-        recorders = {"input": state.observers[chain.input], "hessian": state.hessians[chain.name]}
-        for kind, target in recorders.items():
-            for key, value in gm.get_submodule(target).state_dict().items():
-                out[f"{chain.name}.{kind}.{key}"] = value
-        for (name, _, _), hit in gm.get_submodule(recorders["hessian"]).solved.items():
-            if name == chain.name:
-                out[f"{chain.name}.gptq.codes"] = hit.codes
-                out[f"{chain.name}.gptq.scale"] = hit.scale
-    return out
+from tests.calibrate.conftest import by_chain
 
 
 def _assert_equal(got: dict, want: dict) -> None:
@@ -82,7 +42,7 @@ def test_shards_equal_the_loaded_model_one_stage_in_memory(shards, monkeypatch):
     qfuse.calibrate_sequential(prepared, batches, device="cpu", weights=str(folder))
     assert [n for n, k in held] == ["prefix", "model.layers.0", "model.layers.1", "tail"]
     assert all(k > 0 for _, k in held)
-    _assert_equal(_by_chain(prepared), _by_chain(loaded))
+    _assert_equal(by_chain(prepared), by_chain(loaded))
     assert not any(p.is_meta for p in prepared.parameters())  # back on the CPU for convert
 
     def no_rounding(*args, **kwargs):
@@ -122,7 +82,7 @@ def test_resume_from_a_checkpoint_with_shards(shards, tmp_path, monkeypatch):
     )
     assert rounded == ["model.layers.1", "tail"]
     # the checkpoints keep no Hessians (save_hessians=False); everything else is the same
-    got, want = _by_chain(resumed), _by_chain(loaded)
+    got, want = by_chain(resumed), by_chain(loaded)
     for key in [k for k in want if k.endswith("hessian.hessian")]:
         del got[key], want[key]
     _assert_equal(got, want)
