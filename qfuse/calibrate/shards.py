@@ -5,8 +5,8 @@ stage at a time: ``calibrate_sequential(prepared, batches, weights=<checkpoint>)
 on fake tensors, so a meta parameter captures as well as a real one. Then each stage reads the
 tensors it needs from the checkpoint (a ``.safetensors`` file, a folder of shards or their
 ``model.safetensors.index.json``, as Hugging Face's ``save_pretrained`` writes them) just before
-it runs, straight onto its device, and drops them after it: at no time are more float weights in
-memory than one stage's.
+it runs, straight onto its device, and drops them after it: while the stages run, no parameter
+outside the running one holds data.
 
 A graph tensor is found in the checkpoint by name: export keeps the model's parameter names, the
 merges ``prepare`` made at capture (Q/K/V concatenated, gate/up interleaved, recorded in
@@ -17,7 +17,9 @@ shape, dtype) before the first stage runs, so a mismatch fails in seconds rather
 
 ``qfuse.convert`` reads every float weight of the prepared model at once, so after the last stage
 ``restore`` puts them back on the CPU: a GPTQ-rounded weight shares the copy GPTQ's cache already
-keeps to recognise its result (no second copy), the rest is read from the checkpoint again.
+keeps to recognise its result (no second copy), the rest is read from the checkpoint again. Host
+memory thus ends at the model once plus GPTQ's int8 codes; a model larger than host memory can
+be calibrated but not converted until convert builds one layer at a time.
 """
 
 from __future__ import annotations
@@ -336,7 +338,9 @@ class ShardedWeights:
     def restore(self, solved: dict) -> None:
         """Put every tensor read from the checkpoint back, on the CPU, for ``qfuse.convert``.
         ``solved`` maps a weight's target to GPTQ's cached result for it (``qfuse.gptq.Solved``),
-        whose float weight the parameter then shares; the rest is read once more."""
+        whose float weight the parameter then shares (so a weight edited in place between
+        calibration and convert would not be seen as new: calibrate again after editing); the
+        rest is read once more."""
         rest = []
         for i, meta in self.meta.items():
             hit = next((solved[n] for n in self.names[i] if n in solved), None)
