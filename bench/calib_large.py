@@ -30,7 +30,8 @@ add up): ``forward`` runs the batches through the stage and its observers and He
 ``gptq`` rounds its layers (this rank's share); ``sync`` merges the statistics across ranks and
 broadcasts GPTQ results, including the wait for the slowest rank; ``load`` reads the stage's
 tensors from the checkpoint (``--from-shards``); ``other`` is the rest (moving a block to the GPU
-and back, checkpoints, restoring the weights for convert at the end).
+and back, checkpoints, restoring the weights for convert at the end); ``setup`` comes before the
+first stage (splitting the graph, checking the checkpoint's headers).
 """
 
 from __future__ import annotations
@@ -195,6 +196,8 @@ class Phases:
         for stage in iterable:
             self._close()
             self.stages.append(defaultdict(float, name=stage.name, start=self._now()))
+            if len(self.stages) == 1:  # before it: splitting the graph, checking the weights
+                self.setup = self.stages[0]["start"] - self.t0
             if self.verbose:
                 print(
                     f"stage {stage.name}: {self.stages[-1]['start'] - self.t0:.1f} s, peak "
@@ -215,6 +218,7 @@ class Phases:
 
         plain = {name: getattr(seq, name) for name in [*PHASES, "_progress"]}
         self.t0 = self._now()
+        self.setup = 0.0
 
         def progress(iterable, desc, quiet, total=None, leave=False):
             if desc != "calibrate":
@@ -235,7 +239,8 @@ class Phases:
         """Per stage and summed, in seconds."""
         keys = ["forward", "gptq", "sync", "load", "other", "total"]
         stages = [{"name": s["name"], **{k: s[k] for k in keys}} for s in self.stages]
-        return {"stages": stages, "split_s": {k: sum(s[k] for s in stages) for k in keys}}
+        split = {k: sum(s[k] for s in stages) for k in keys}
+        return {"stages": stages, "split_s": {"setup": self.setup, **split}}
 
 
 def run_sequential(prepared, data, device, args, weights=None) -> dict:
