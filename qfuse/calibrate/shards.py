@@ -74,8 +74,12 @@ def init_empty_weights():
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             p = module._parameters[name]
-            kwargs = {**p.__dict__, "requires_grad": p.requires_grad}
-            module._parameters[name] = type(p)(p.to("meta"), **kwargs)
+            kwargs = {"requires_grad": p.requires_grad}
+            if type(p) is not nn.Parameter:  # subclasses take their attributes as arguments
+                kwargs.update(p.__dict__)
+            on_meta = type(p)(p.to("meta"), **kwargs)
+            on_meta.__dict__.update(p.__dict__)
+            module._parameters[name] = on_meta
 
     nn.Module.register_parameter = register_on_meta
     try:
