@@ -100,6 +100,8 @@ class _OnDevice:
             if not p.is_meta:
                 p.data = self.home_of[id(p)].to(self.device)
         self.placed = _place(self.weights, meta, self.device) if meta else []
+        for r in self.recorders:
+            r.to(self.device)
         return self
 
     def __exit__(self, *exc):
