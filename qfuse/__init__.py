@@ -22,6 +22,7 @@ from qfuse.errors import (
     QFuseError,
     ShapeError,
     UnsupportedError,
+    WeightsError,
 )
 from qfuse.export import export_onnx, export_program, export_torchscript, load, save
 from qfuse.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
@@ -67,6 +68,7 @@ __all__ = [
     "GPTQ",
     "Summary",
     "UnsupportedError",
+    "WeightsError",
     "auto_fallback",
     "calibrate_sequential",
     "convert",

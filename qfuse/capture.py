@@ -203,7 +203,9 @@ def follow_input_device(gm: fx.GraphModule) -> int:
     Export records the capture device in ops such as ``arange(..., device=cpu)``,
     ``to(device=cpu)`` and ``_assert_tensor_metadata``; left alone, a model captured (and
     converted) on CPU fails after ``.to("cuda")``. Every constant equal to the capture device is
-    replaced by ``input.device`` at run time. Returns how many arguments were rewritten.
+    replaced by ``input.device`` at run time, and so is ``meta`` (a model captured with its
+    parameters on ``meta``, to be calibrated from a checkpoint: ``qfuse.calibrate.shards``).
+    Returns how many arguments were rewritten.
     """
     device = _example_device(gm)
     if device is None:
@@ -218,7 +220,7 @@ def follow_input_device(gm: fx.GraphModule) -> int:
 
     def swap(value):
         nonlocal device_node, rewritten
-        if isinstance(value, torch.device) and value == device:
+        if isinstance(value, torch.device) and (value == device or value.type == "meta"):
             if device_node is None:
                 last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
                 with gm.graph.inserting_after(last_placeholder):

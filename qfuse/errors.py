@@ -41,3 +41,8 @@ class GraphMismatchError(QFuseError):
 
 class DeviceError(QFuseError):
     """An input on another device than the model (or on ``meta``, which holds no data)."""
+
+
+class WeightsError(FormatError):
+    """A checkpoint (safetensors shards) that does not hold what the prepared model needs: a
+    missing key, another shape or dtype, or a path with no safetensors files."""

@@ -2,7 +2,8 @@
 time on the GPU while the model stays on the CPU.
 
 The prepared graph is cut into stages (``stages.py``): prefix, one per decoder/encoder layer,
-tail. Each stage in turn moves its parameters and recorders to ``device``, runs every batch
+tail. Each stage in turn moves its parameters and recorders to ``device`` (or, with
+``weights=``, reads them there from a safetensors checkpoint: ``shards.py``), runs every batch
 from the values the stages before it computed (kept on ``device``, or on the CPU with
 ``offload=True``), merges its statistics across ranks, rounds its GPTQ layers (spread over the
 ranks), checkpoints, and goes back to the CPU. Peak GPU memory is one block plus the cached
@@ -16,6 +17,7 @@ GPTQ weights are those of ``prepared(batch)`` over the same batches, bit for bit
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 
@@ -27,6 +29,7 @@ from torch.utils import _pytree as pytree
 from qfuse.calibrate import checkpoint
 from qfuse.calibrate.distributed import assign, rank, share, sync_recorders
 from qfuse.calibrate.quantized import quantized_twin
+from qfuse.calibrate.shards import ShardedWeights
 from qfuse.calibrate.stages import Stage, split_stages
 from qfuse.capture import inline_grad_wrappers
 from qfuse.config import PerChannel
@@ -73,29 +76,59 @@ def _to(value, device):
 
 class _OnDevice:
     """Moves one stage's parameters and recorders to ``device`` and back (the parameters get
-    their original CPU storage back: calibration does not change them)."""
+    their original CPU storage back: calibration does not change them). Parameters on ``meta``
+    are read from ``weights`` (``shards.ShardedWeights``) and go back to ``meta`` after."""
 
-    def __init__(self, prepared, stage: Stage, device) -> None:
+    def __init__(self, prepared, stage: Stage, device, weights: ShardedWeights | None) -> None:
         # get_attr also names submodules (torch 2.11 export's no_grad subgraphs): tensors only
         attrs = {t: attr_tensor(prepared, t) for t in dict.fromkeys(stage.params)}
         self.params = {t: v for t, v in attrs.items() if isinstance(v, torch.Tensor)}
         self.recorders = [prepared.get_submodule(t) for t in stage.recorders]
-        self.home = {t: p.data for t, p in self.params.items()}
+        self.home_of = {id(p): p.data for p in self.params.values()}
         self.rec_home = [r.num_batches.device for r in self.recorders]
-        self.device = device
+        self.device, self.weights = device, weights
 
     def __enter__(self):
-        for t, p in self.params.items():
-            p.data = self.home[t].to(self.device)
+        meta = [p for p in self.params.values() if p.is_meta]
+        if meta and self.weights is None:
+            name = next(t for t, p in self.params.items() if p.is_meta)
+            raise CalibrationError(
+                f"{name} of the prepared model is on meta (no data); pass weights=<the "
+                "checkpoint folder, its index.json or a .safetensors file> to read it from."
+            )
+        for p in self.params.values():
+            if not p.is_meta:
+                p.data = self.home_of[id(p)].to(self.device)
+        self.placed = _place(self.weights, meta, self.device) if meta else []
         for r in self.recorders:
             r.to(self.device)
         return self
 
     def __exit__(self, *exc):
-        for t, p in self.params.items():
-            p.data = self.home[t]
+        for p in self.params.values():
+            if not p.is_meta:
+                p.data = self.home_of[id(p)]
+        if self.placed:
+            self.weights.release(self.placed)
         for r, home in zip(self.recorders, self.rec_home, strict=True):
             r.to(home)
+
+
+def _place(weights: ShardedWeights, tensors, device) -> list[int]:
+    """One stage's meta tensors read from the checkpoint onto ``device``."""
+    return weights.place(tensors, device)
+
+
+def _solved(prepared, state) -> dict:
+    """Weight target -> GPTQ's cached result for it (any one, when several were asked for)."""
+    out = {}
+    for chain in state.chains:
+        if chain.name in state.hessians:
+            recorder = prepared.get_submodule(state.hessians[chain.name])
+            for key, hit in recorder.solved.items():
+                if key[0] == chain.name:
+                    out[chain.weight] = hit
+    return out
 
 
 def _run(module, stage: Stage, cache: list[dict], device, offload: bool, desc: str, quiet: bool):
@@ -166,6 +199,7 @@ def calibrate_sequential(
     checkpoint_dir: str | None = None,
     save_hessians: bool = False,
     offload: bool = False,
+    weights: str | os.PathLike | None = None,
     group=None,
     quiet: bool = False,
 ) -> fx.GraphModule:
@@ -196,6 +230,13 @@ def calibrate_sequential(
             ``checkpoint``).
         offload: keep the cached activations on the CPU between stages (less GPU memory,
             slower).
+        weights: a safetensors checkpoint (the folder ``save_pretrained`` wrote, its
+            ``model.safetensors.index.json`` or one ``.safetensors`` file) holding the values of
+            the prepared model's ``meta`` parameters (a model built under
+            ``qfuse.calibrate.init_empty_weights()``): each stage reads its own just before it
+            runs and drops them after; at the end they are put back on the CPU for convert
+            (see ``shards.py``). A missing key, another shape or dtype raises ``WeightsError``
+            before the first stage.
         group: a ``torch.distributed`` process group (default: the world, when initialised):
             every rank passes its own share of the batches; statistics are merged after each
             stage and GPTQ's layers spread over the ranks, so every rank ends with the same
@@ -222,10 +263,14 @@ def calibrate_sequential(
     if outputs not in ("float", "quantized"):
         raise UnsupportedError(f"outputs={outputs!r}: use 'float' or 'quantized'.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    source = ShardedWeights(prepared, state, weights) if weights is not None else None
     # torch 2.11's export wraps no_grad blocks (Llama's rotary tables) in subgraphs whose device
     # constants stay the capture device's: inline them so the blocks run on ``device``.
     inline_grad_wrappers(prepared)
     stages = split_stages(prepared, state.chains, blocks)
+    if source is not None:
+        model = getattr(state.source, "model", None)  # the user's model holds them too
+        source.bind([prepared, *(s.module for s in stages), *([model] if model else [])])
     cache = [dict(zip(stages[0].inputs, _flat_inputs(prepared, b), strict=True)) for b in batches]
     if not cache:
         raise CalibrationError("calibrate_sequential got no batches; pass calibration batches.")
@@ -237,7 +282,7 @@ def calibrate_sequential(
             torch.distributed.barrier(group)
     done = checkpoint.done_stages(checkpoint_dir, len(stages))
     for i, stage in enumerate(_progress(stages, "calibrate", quiet, leave=True)):
-        with _OnDevice(prepared, stage, device) as placed:
+        with _OnDevice(prepared, stage, device, source) as placed:
             recorders = dict(zip(stage.recorders, placed.recorders, strict=True))
             if i < done:
                 checkpoint.load_stage(checkpoint_dir, i, recorders)
@@ -264,4 +309,6 @@ def calibrate_sequential(
         _prune(cache, stages[i + 1 :])
     if checkpoint_dir is not None and world_size(group) > 1:
         torch.distributed.barrier(group)
+    if source is not None:
+        source.restore(_solved(prepared, state))
     return prepared

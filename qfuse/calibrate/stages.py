@@ -41,6 +41,7 @@ def _check_only(node: fx.Node) -> bool:
         node.op == "call_function" and node.target is _ASSERT_METADATA
     )
 
+
 _INDEXED = re.compile(r"^(?:(?P<parent>.+)\.)?(?P<index>\d+)$")
 
 

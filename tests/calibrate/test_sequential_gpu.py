@@ -9,6 +9,7 @@ import torch
 import qfuse
 from qfuse.capture import inline_grad_wrappers
 from qfuse.observers.base import Recorder
+from tests.calibrate.conftest import by_chain
 
 pytestmark = pytest.mark.gpu
 
@@ -45,3 +46,18 @@ def test_sequential_on_cuda_equals_whole_model_on_cuda(llama):
     for key, value in ref.items():
         if key.endswith(("weight", "weight_scale", "x_scale")):
             assert torch.equal(out[key].cpu(), value), key
+
+
+def test_shards_on_cuda_equal_the_loaded_model_on_cuda(llama, shards):
+    folder, meta, batches, _ = shards
+    cuda = torch.device("cuda")
+    loaded = qfuse.calibrate_sequential(copy.deepcopy(llama[0]), batches, device=cuda)
+    seq = qfuse.calibrate_sequential(copy.deepcopy(meta), batches, device=cuda, weights=folder)
+    assert all(p.device.type == "cpu" for p in seq.parameters())  # restored for convert
+    got, want = by_chain(seq), by_chain(loaded)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key].cpu(), value.cpu()), key
+    ref = qfuse.convert(loaded).state_dict()
+    for key, value in qfuse.convert(seq).state_dict().items():
+        assert torch.equal(value, ref[key]), key
