@@ -232,7 +232,8 @@ def convert(
         for c in chains
         if c.name in state.hessians
     }
-    plan = LayerPlan(gm, state, chains, observers, dtypes, hessians)
+    plan = LayerPlan(gm, state, chains, observers, dtypes, hessians, fold_norms=True)
+    plan.write_norm_weights(gm)  # SmoothQuant's factors folded into RMSNorm weights
     remove_observers(gm, set(state.hessians.values()))  # anchors read their observers again
 
     readers_of: dict[str, list[Chain]] = {}
@@ -264,7 +265,8 @@ def convert(
         )
         layer_notes = []
         if chain.name in state.smoothed:
-            where = "prologue" if chain.name in plan.prologue else "folded into producer"
+            where = "prologue" if chain.name in plan.prologue else "folded into " + (
+                plan.folded_into.get(chain.name, "producer"))
             layer_notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
         if chain.name in state.hessians:
             layer_notes.append(state.gptq.describe())

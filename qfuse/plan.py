@@ -2,23 +2,25 @@
 
 ``LayerPlan`` starts from what calibration gives: each chain's float weight and bias and its
 input qparams from its observer. Algorithms are transforms (``apply(plan)``) run in order over
-it: SmoothQuant (factors from the observers, folded into the producer or kept as a prologue
-vector), GPTQ (rounds the weights that ship, against the plain per-channel scale), and those the
-state carries (QAT's learned scales: ``qfuse.qat.lower``). convert, the module swap and QAT's
-PTQ carry-over read the same plan.
+it: SmoothQuant (factors from the observers, folded into the producer Linear or RMSNorm, or
+kept as a prologue vector), GPTQ (rounds the weights that ship, against the plain per-channel
+scale), and those the state carries (QAT's learned scales: ``qfuse.qat.lower``). convert, the
+module swap and QAT's PTQ carry-over read the same plan.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from qfuse.config import PerChannel
+from qfuse.errors import QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
 from qfuse.gptq import round_layer
 from qfuse.primitives import choose_qparams, inverse, weight_scale
 from qfuse.progress import progress
-from qfuse.smoothquant import factors, smoothed_qparams
+from qfuse.smoothquant import factors, foldable_norm, smoothed_qparams
 
 
 def _tensor(gm, target: str | None) -> torch.Tensor | None:
@@ -37,9 +39,14 @@ def _per_tensor_qparams(observer, symmetric: bool):
 
 class LayerPlan:
     """Float weights, input qparams, prologue vectors, SmoothQuant factors and weight scales per
-    chain, after every transform."""
+    chain, after every transform.
 
-    def __init__(self, gm, state, chains, observers, dtypes, hessians):
+    ``fold_norms``: SmoothQuant may fold its factors into an RMSNorm's weight; the caller then
+    writes ``norm_weights`` into the model it builds (``write_norm_weights``). Off, those layers
+    take ``x / s`` in their prologue (QAT's carry-over, which bakes only the chains' weights)."""
+
+    def __init__(self, gm, state, chains, observers, dtypes, hessians, fold_norms=False):
+        self.gm, self.fold_norms = gm, fold_norms
         self.chains = list(chains)
         self.dtypes = dtypes  # chain name -> torch.int8 | torch.float8_e4m3fn
         self.weights = {c.name: _tensor(gm, c.weight).float() for c in chains}
@@ -53,6 +60,8 @@ class LayerPlan:
         }
         self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
         self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
+        self.folded_into = {}  # chain name -> where SmoothQuant folded x / s ("producer", ...)
+        self.norm_weights = {}  # get_attr target of an RMSNorm weight -> its folded value w / s
         self.weight_scales = {}  # chain name -> the scale the weight was rounded against
         for transform in transforms(state, hessians):
             transform.apply(self)
@@ -62,36 +71,96 @@ class LayerPlan:
         fp8 = self.dtypes[chain.name] == torch.float8_e4m3fn
         return self.observers[chain.input].symmetric or fp8
 
+    def write_norm_weights(self, module: nn.Module) -> None:
+        """Put the folded RMSNorm weights into ``module`` (the converted graph, or the model
+        swapped into) at their paths, as new tensors: the prepared model and the float model it
+        shares tensors with keep theirs."""
+        for target, w in self.norm_weights.items():
+            owner, _, leaf = target.rpartition(".")
+            try:
+                parent = module.get_submodule(owner)
+            except AttributeError:
+                parent = None
+            old = getattr(parent, leaf, None) if parent is not None else None
+            if not isinstance(old, torch.Tensor) or old.shape != w.shape:
+                raise QFuseError(
+                    f"SmoothQuant folded its factors into the RMSNorm weight {target}, which "
+                    f"{type(module).__name__} does not hold at that path; convert with "
+                    "output='graph', or smooth these layers in their prologue instead "
+                    "(SmoothQuant(layers=...) naming only Linears not fed by an RMSNorm)."
+                )
+            w = w.to(old.device)
+            if leaf in parent._parameters:
+                parent._parameters[leaf] = nn.Parameter(w, requires_grad=old.requires_grad)
+            else:
+                parent._buffers[leaf] = w
+
 
 class SmoothQuantTransform:
     """SmoothQuant over the layers ``qfuse.prepare`` selected: each gets factors ``s`` from its
-    per-channel input range; ``x / s`` is folded into a producer Linear that only it reads,
+    per-channel input range; ``x / s`` is folded into a producer Linear that only it reads, or
+    into an RMSNorm that only smoothed layers read (one ``s`` for all of them, ``fold_norms``),
     otherwise applied in the layer's prologue."""
 
-    def __init__(self, smoothquant, smoothed: list[str]) -> None:
+    def __init__(self, smoothquant, smoothed: list[str], chains: list[Chain] = ()) -> None:
         self.smoothquant, self.smoothed = smoothquant, smoothed
+        # Every chain of the prepared model: a norm is folded into only when all its readers
+        # are smoothed layers of this plan (none kept float or left unswapped).
+        self.chains = list(chains)
+
+    def _norms(self, plan: LayerPlan) -> dict:
+        """Chain input -> the RMSNorm weight node its ``x / s`` folds into (``fold_norms``)."""
+        if not plan.fold_norms:
+            return {}
+        nodes = {n.name: n for n in plan.gm.graph.nodes}
+        in_plan, smoothed = {c.name for c in plan.chains}, set(self.smoothed)
+        everyone: dict[str, list[Chain]] = {}
+        for c in self.chains or plan.chains:
+            everyone.setdefault(c.input, []).append(c)
+        norms = {}
+        for inp, readers in everyone.items():
+            if inp in plan.observers and all(r.name in in_plan for r in readers):
+                weight = foldable_norm(nodes, inp, plan.observers[inp], readers, smoothed)
+                if weight is not None:
+                    norms[inp] = weight
+        return norms
 
     def apply(self, plan: LayerPlan) -> None:
         by_name = {c.name: c for c in plan.chains}
         readers: dict[str, list[Chain]] = {}
         for c in plan.chains:
             readers.setdefault(c.input, []).append(c)
+        norms = self._norms(plan)
+        shared = {}  # norm-fed input -> the one s of all its readers
         for name in self.smoothed:
             chain = by_name.get(name)
             if chain is None:  # kept float, or not swapped
                 continue
             lo, hi = plan.observers[chain.input].value_range()
-            s = factors(
-                torch.maximum(lo.abs(), hi.abs()), plan.weights[name], self.smoothquant.alpha
-            )
+            absmax = torch.maximum(lo.abs(), hi.abs())
+            norm = norms.get(chain.input)
+            if norm is None:
+                s = factors(absmax, plan.weights[name], self.smoothquant.alpha)
+            else:
+                if chain.input not in shared:  # the readers' weights before any is smoothed
+                    joint = torch.cat([plan.weights[r.name] for r in readers[chain.input]])
+                    shared[chain.input] = factors(absmax, joint, self.smoothquant.alpha)
+                s = shared[chain.input]
             plan.weights[name] = plan.weights[name] * s[None, :]
             plan.smoothing[name] = s
             plan.x_qparams[name] = smoothed_qparams(lo, hi, s, plan.symmetric_input(chain))
             producer = next((c for c in plan.chains if c.output == chain.input), None)
-            if producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1:
+            if norm is not None:
+                w = attr_tensor(plan.gm, norm.target).detach()
+                plan.norm_weights[norm.target] = (w.float() / s).to(w.dtype)
+                plan.folded_into[name] = "RMSNorm weight"
+            elif (
+                producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1
+            ):
                 plan.weights[producer.name] = plan.weights[producer.name] / s[:, None]
                 if plan.biases[producer.name] is not None:
                     plan.biases[producer.name] = plan.biases[producer.name] / s
+                plan.folded_into[name] = "producer"
             else:
                 plan.prologue[name] = (inverse(s) * inverse(plan.x_qparams[name][0])).float()
 
@@ -124,7 +193,7 @@ def transforms(state, hessians: dict) -> list:
     in ``hessians``: chain name -> InputHessian), then the state's own (QAT's learned scales)."""
     out = []
     if state.smoothquant is not None and state.smoothed:
-        out.append(SmoothQuantTransform(state.smoothquant, state.smoothed))
+        out.append(SmoothQuantTransform(state.smoothquant, state.smoothed, state.chains))
     if hessians:
         per_channel = isinstance(state.config.weight_granularity, PerChannel)
         out.append(GPTQTransform(state.gptq, hessians, per_channel))

@@ -7,6 +7,11 @@ range) and ``W * s`` still quantizes well per output channel.
 Where ``x / s`` is applied:
 - input produced by another Linear with nothing in between (no activation/residual) and read
   only by this layer: folded into that Linear's weight rows and bias (free at run time);
+- input produced by an RMSNorm (Llama, Qwen2, Mistral: ``match_rms_norm``, the matcher the norm
+  fusion uses) and read only by smoothed layers: folded into the norm's weight (``w / s``;
+  RMSNorm has no bias), with one ``s`` for all its readers (Q, K, V; gate, up) from their
+  weights' joint column max, as the paper does; convert writes the folded weight
+  (``LayerPlan.write_norm_weights``) and the norm fusion then still applies;
 - anything else (a LayerNorm, whose output in post-LN BERT also feeds the residual add, so the
   LayerNorm itself must not change): the fused kernel's prologue quantizes with a per-input-
   channel vector ``(1/s_j) * (1/scale)`` instead of one scalar — the same multiply, no extra pass.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from qfuse.fusion.norm_quant import match_rms_norm
 from qfuse.fusion.patterns import Chain, is_eval_identity
 from qfuse.primitives import choose_qparams
 
@@ -29,7 +35,7 @@ aten = torch.ops.aten
 class SmoothQuant:
     """``alpha``: migration strength (0: none, 1: all to weights; 0.5 is the paper's default).
     ``layers``: globs of Linear layer names to smooth; ``None`` smooths Linear layers fed by a
-    LayerNorm or directly by another Linear (the cases the paper targets)."""
+    LayerNorm, an RMSNorm or directly by another Linear (the cases the paper targets)."""
 
     alpha: float = 0.5
     layers: tuple[str, ...] | None = None
@@ -71,15 +77,46 @@ def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[st
                 picked.append(chain.name)
             continue
         src = _source(nodes[chain.input])
-        if src.target == aten.layer_norm.default or src.name in linear_outputs:
+        norm = src.target == aten.layer_norm.default or match_rms_norm(src) is not None
+        if norm or src.name in linear_outputs:
             picked.append(chain.name)
     if not picked:
         raise UnsupportedError(
-            "SmoothQuant: no layer is eligible (it smooths Linear layers fed by a LayerNorm or "
-            f"directly by another Linear; this model's Linears: {[c.name for c in linears][:8]}); "
-            "name the Linears to smooth with SmoothQuant(layers=(...)) or drop smoothquant=."
+            "SmoothQuant: no layer is eligible (it smooths Linear layers fed by a LayerNorm, an "
+            "RMSNorm or directly by another Linear; this model's Linears: "
+            f"{[c.name for c in linears][:8]}); name the Linears to smooth with "
+            "SmoothQuant(layers=(...)) or drop smoothquant=."
         )
     return picked
+
+
+def foldable_norm(
+    nodes: dict[str, fx.Node], input_name: str, observer, readers: list[Chain], smoothed: set[str]
+) -> fx.Node | None:
+    """The weight (get_attr node) of the RMSNorm whose output is the input ``input_name`` of
+    ``readers`` (every chain reading it), when ``x / s`` can be folded into that weight: every
+    reader is smoothed, nothing else reads the norm's output (only ``observer``, the prepared
+    model's observer of it, which the readers read through) and nothing else reads its weight.
+    None otherwise (the readers then take ``x / s`` in their prologue)."""
+    node = nodes[input_name]
+    src = _source(node)
+    norm = match_rms_norm(src)
+    if norm is None or not readers or any(r.name not in smoothed for r in readers):
+        return None
+    weight = norm[1]
+    if len(weight.users) != 1:
+        return None
+    step = src
+    while step is not node:  # src -> eval identities -> node: each read by the next only
+        if len(step.users) != 1:
+            return None
+        step = next(iter(step.users))
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_module":
+        return None
+    if node.graph.owning_module.get_submodule(users[0].target) is not observer:
+        return None
+    return weight
 
 
 def factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -364,7 +364,8 @@ def convert_model(
         for c in swapped
         if c.name in state.hessians
     }
-    plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians)
+    plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians, fold_norms=True)
+    plan.write_norm_weights(model)  # SmoothQuant's factors folded into RMSNorm weights
     layers = []
     mlps = _gated_mlps(prepared, swapped, slots)
     whole = {c.name: parent for parent, pair in mlps.items() for c in pair}

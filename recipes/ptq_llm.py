@@ -2,7 +2,7 @@
 
     python -m recipes.ptq_llm                          # every config; CPU, 2 threads
     python -m recipes.ptq_llm --peer /work/venv-llmc/bin/python   # + llm-compressor, same data
-    python -m recipes.ptq_llm --configs "fp8 static,int8 dynamic" --heldout 64 --no-qat
+    python -m recipes.ptq_llm --configs "fp8 static,int8 dynamic" --heldout 64 --qat-steps 0
 
 Each config is used as a user would: ``qfuse.prepare`` on the float model, calibration windows
 through it, ``qfuse.convert(output="model")`` (a ``LlamaForCausalLM`` again, LM head kept float
@@ -55,17 +55,16 @@ class Recipe:
 
 
 def recipes() -> list[Recipe]:
-    # SmoothQuant's default selection smooths Linears fed by a LayerNorm or a Linear; Llama's
-    # RMSNorm (exported as elementwise ops) is neither, so on this model it selects nothing and
-    # raises. Naming the layers smooths them all (the factors divide each layer's input).
-    sq = qfuse.SmoothQuant(0.5, layers=("model.layers.*",))
+    # SmoothQuant's default selection: on Llama, Q/K/V after input_layernorm and gate/up after
+    # post_attention_layernorm, its factors folded into those RMSNorms' weights.
+    sq = qfuse.SmoothQuant(0.5)
     asym = qfuse.QConfig.int8_static_asymmetric()
     return [
         Recipe("fp8 static", qfuse.QConfig.fp8_static()),
         Recipe("fp8 dynamic", qfuse.QConfig.fp8_dynamic()),
         Recipe("int8 dynamic", qfuse.QConfig.int8_dynamic()),
-        # SmoothQuant on a dynamic config would need a per-channel prologue vector, which only
-        # a static activation scale has (qfuse refuses it): GPTQ alone here.
+        # GPTQ alone on the dynamic config (SmoothQuant folded into the RMSNorms would run here
+        # too; a prologue vector would not, it needs a static activation scale).
         Recipe("int8 dynamic + GPTQ", qfuse.QConfig.int8_dynamic(), {"gptq": qfuse.GPTQ()}),
         Recipe("int8 static", qfuse.QConfig.int8_static(), static_int8=True),
         Recipe("int8 static asym", asym, static_int8=True),

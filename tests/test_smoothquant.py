@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import qfuse
+from qfuse.plan import LayerPlan
 from qfuse.smoothquant import factors
+from qfuse.state import get_state
 from tests.models import LNBlock, sqnr_db
 
 
@@ -57,3 +59,116 @@ def test_factors_leave_dead_channels_alone():
 def test_alpha_out_of_range_is_rejected():
     with pytest.raises(qfuse.UnsupportedError, match="alpha"):
         qfuse.SmoothQuant(alpha=1.5)
+
+
+# Llama: RMSNorm (exported as elementwise ops) feeds Q/K/V and gate/up; SmoothQuant's default
+# selection finds it with the norm fusion's matcher and folds s into the norm's weight.
+def _llama(merge_siblings: bool):
+    pytest.importorskip("transformers")
+    from tests.zoo_models import _tokens, llama
+
+    torch.manual_seed(0)
+    model = llama()[0].eval()
+    with torch.no_grad():  # outlier channels, as trained LLMs' norms have
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[3], norm.weight[17] = 40.0, -25.0
+    prepared = qfuse.prepare(
+        model,
+        qfuse.QConfig.int8_static(),
+        (),
+        example_kwargs=_tokens(),
+        smoothquant=qfuse.SmoothQuant(0.5),
+        merge_siblings=merge_siblings,
+    )
+    with torch.no_grad():
+        for seed in range(1, 4):
+            prepared(**_tokens(seed=seed))
+    return model, prepared, _tokens(batch=4, seed=9)
+
+
+@pytest.fixture(scope="module")
+def llama_merged():
+    return _llama(merge_siblings=True)
+
+
+@pytest.fixture(scope="module")
+def llama_unmerged():
+    return _llama(merge_siblings=False)
+
+
+def test_default_selection_on_llama_smooths_what_rmsnorm_feeds(llama_merged, llama_unmerged):
+    layers = ("model.layers.0", "model.layers.1")
+    merged = get_state(llama_merged[1]).smoothed
+    assert merged == [
+        f"{p}.{m}"
+        for p in layers
+        for m in ("self_attn.q_proj_k_proj_v_proj", "mlp.gate_proj_up_proj")
+    ]
+    unmerged = get_state(llama_unmerged[1]).smoothed
+    each = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert sorted(unmerged) == sorted(
+        f"{p}.{'self_attn' if m[0] in 'qkv' else 'mlp'}.{m}" for p in layers for m in each
+    )
+
+
+def _smoothed_float(prepared):
+    """The prepared graph with the plan's smoothed float weights (W * s) and folded RMSNorm
+    weights (w / s) written in: no quantization, so it must compute what the float model does."""
+    state = get_state(prepared)
+    dtypes = {c.name: torch.int8 for c in state.chains}
+    plan = LayerPlan(prepared, state, state.chains, state.observers, dtypes, {}, fold_norms=True)
+    gm = copy.deepcopy(prepared)
+    plan.write_norm_weights(gm)
+    for chain in state.chains:
+        owner, _, leaf = chain.weight.rpartition(".")
+        gm.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(plan.weights[chain.name])
+    return gm, plan
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_folding_into_rmsnorm_is_an_equivalence_in_float(merged, llama_merged, llama_unmerged):
+    model, prepared, x = llama_merged if merged else llama_unmerged
+    smoothed, plan = _smoothed_float(prepared)
+    state = get_state(prepared)
+    assert {plan.folded_into[n] for n in state.smoothed} == {"RMSNorm weight"}
+    assert not plan.prologue and len(plan.norm_weights) == 4  # 2 norms in each of 2 layers
+    norm = model.model.layers[0].input_layernorm.weight
+    folded = plan.norm_weights["model.layers.0.input_layernorm.weight"]
+    assert not torch.allclose(folded, norm)  # s moved the outliers out of the norm
+    if not merged:  # one s for every reader of a norm (Q, K, V), as the fold needs
+        s = [plan.smoothing[f"model.layers.0.self_attn.{m}_proj"] for m in "qkv"]
+        assert torch.equal(s[0], s[1]) and torch.equal(s[0], s[2])
+    with torch.no_grad():
+        ref, out = model(**x).logits, smoothed(**x)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_int8_static_smoothquant_on_llama_converts_and_runs(llama_merged):
+    model, prepared, x = llama_merged
+    before = model.model.layers[0].input_layernorm.weight.clone()
+    graph, swapped = qfuse.convert(prepared), qfuse.convert(prepared, output="model")
+    rows = {r["name"]: r for r in qfuse.summary(graph).rows}
+    for name in get_state(prepared).smoothed:
+        assert rows[name]["note"] == "SmoothQuant alpha=0.5 (folded into RMSNorm weight)"
+        assert rows[name]["input"].startswith("int8 from RMSNorm")  # the norm fusion still applies
+        assert graph.get_submodule(name).x_inv_scale.numel() == 1  # no prologue vector
+    folded = swapped.model.layers[0].input_layernorm.weight
+    assert not torch.equal(folded, before)
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, before)  # float model kept
+    with torch.no_grad():
+        ref, out = model(**x).logits, graph(**x)[0]
+        assert torch.equal(swapped(**x).logits, out)
+    assert sqnr_db(ref, out) > 15.0
+
+
+def test_a_default_selection_that_matches_nothing_names_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    with pytest.raises(
+        qfuse.UnsupportedError,
+        match=r"an RMSNorm or directly by another Linear.*SmoothQuant\(layers=",
+    ):  # the second Linear reads a ReLU: nothing to smooth, which would be a silent no-op
+        qfuse.prepare(
+            model.eval(), qfuse.QConfig.int8_static(), (x,), smoothquant=qfuse.SmoothQuant()
+        )

@@ -8,7 +8,8 @@ pass, and the next residual add, which needs it in float. ``fuse_layernorm_quant
 readers then take the quantized tensor (``input_quantized``). It needs the readers to share one
 static per-tensor input scale (they read one observer, so they do unless SmoothQuant gave them a
 per-channel prologue vector) and one dtype. Pre-norm LLMs (Llama, Qwen2, Mistral) get the same for
-transformers' RMSNorm, which export records as its elementwise ops (``_rms_norm`` matches them).
+transformers' RMSNorm, which export records as its elementwise ops (``match_rms_norm`` matches them;
+SmoothQuant uses it too, to find the RMSNorm it folds its factors into).
 Used by ``convert`` and by ``load`` (which must build the same graph from the same modules).
 """
 
@@ -56,9 +57,11 @@ def _other(node: fx.Node, arg: fx.Node):
     return b if a is arg else a if b is arg else None
 
 
-def _rms_norm(node: fx.Node):
-    """The same for transformers' RMSNorm as export records it (``weight * (x32 *
-    rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``, x32 = ``x.to(float32)``)."""
+def match_rms_norm(node: fx.Node):
+    """``(x, weight, None, eps, True, nodes)`` when ``node`` is the final multiply of
+    transformers' RMSNorm as export records it (``weight * (x32 * rsqrt(x32.pow(2).mean(-1,
+    keepdim=True) + eps)).to(dtype)``, x32 = ``x.to(float32)``; ``weight`` a get_attr node), else
+    None. The one RMSNorm matcher: the norm fusion here and SmoothQuant's selection use it."""
     if node.target is not aten.mul.Tensor or len(node.args) != 2:
         return None
     weight = next((a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"), None)
@@ -113,7 +116,7 @@ def fuse_layernorm_quant(gm: fx.GraphModule) -> dict[str, str]:
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        norm = _layer_norm(node) or _rms_norm(node)
+        norm = _layer_norm(node) or match_rms_norm(node)
         if norm is None:
             continue
         x, weight, bias, eps, rms, chain = norm
