@@ -18,6 +18,7 @@ from torch import fx
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.guards import add_module_guards, add_runtime_guards
+from qfuse.fusion.nonfinite import float_inputs_used
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import module_paths, remove_observers
 from qfuse.nn import QConv2d, QLinear
@@ -335,5 +336,6 @@ def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) ->
         if c.name in keep_float
     ]
     get_state(model).skipped[:0] = kept
-    add_module_guards(model)  # input dtype/device checks, NaN/Inf marks (fusion.guards)
+    # input dtype/device checks, NaN/Inf marks where a float input can bring them (fusion.guards)
+    add_module_guards(model, float_inputs_used(prepared))
     return model

@@ -150,3 +150,35 @@ def test_marks_by_hand():
     assert y[0].isnan().all() and (y[1] == 1).all()
     assert poison_rows(torch.ones(2, 5, dtype=torch.int32), mark).eq(1).all()  # ints unchanged
     assert nonfinite_rows(torch.empty(0, 4), 1).shape == (0,)
+
+
+class Tokens(nn.Module):
+    """Fed token ids: every float is computed from the weights, nothing can bring NaN in."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mlp = nn.Embedding(20, 16), MLP()
+
+    def forward(self, ids):
+        return self.mlp(self.emb(ids))
+
+
+@pytest.mark.parametrize("config", ["int8_static", "fp8_dynamic"])
+def test_marks_only_where_a_float_input_reaches(models, config):
+    """A model fed token ids gets no marks and no hooks (each costs a pass over a float tensor
+    on the GPU); one with a float input keeps them."""
+    from qfuse.fusion.nonfinite import _poison_hook
+
+    def counts(model, x):
+        prepared = qfuse.prepare(model, CONFIGS[config], (x,))
+        prepared(x)
+        graph, swapped = (qfuse.convert(prepared, output=o) for o in ("graph", "model"))
+        marks = sum(n.target is nonfinite_rows for n in graph.graph.nodes)
+        hooks = sum(_poison_hook in m._forward_hooks.values() for m in swapped.modules())
+        return marks, hooks
+
+    torch.manual_seed(0)
+    assert counts(Tokens().eval(), torch.randint(0, 20, (3, 4))) == (0, 0)
+    floats, xs, _ = models
+    marks, hooks = counts(floats["mlp"], xs["mlp"])
+    assert marks > 0 and hooks > 0

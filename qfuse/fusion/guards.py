@@ -118,8 +118,11 @@ def guard_module_inputs(model: nn.Module) -> int:
     return hooked
 
 
-def add_module_guards(model: nn.Module) -> None:
+def add_module_guards(model: nn.Module, float_inputs: bool = True) -> None:
     """The same on a swapped model (``convert(output="model")``): each quantized layer checks
-    its input and marks its own non-finite rows (forward hooks)."""
+    its input and, when the model has floating-point inputs (``float_inputs``, from the
+    prepared graph: ``nonfinite.float_inputs_used``), marks its own non-finite rows (forward
+    hooks)."""
     guard_module_inputs(model)
-    guard_model(model)
+    if float_inputs:
+        guard_model(model)

@@ -19,6 +19,13 @@ The float model gives NaN or ±Inf there; the quantized model gives NaN (never a
 Per sample is wider than float when a sample's tokens or pixels never mix (an MLP over tokens):
 every output row of that sample is NaN, not only the token's. Non-finite values that never reach
 a quantized layer (an additive ``-inf`` attention mask) mark nothing.
+
+Only quantization points whose input depends on a floating-point input of the model are marked
+(``float_fed``): a model fed token ids (BERT, Llama, GPT-2) computes every float from its
+weights and integer inputs, and gets no marks at all. A mark is an extra pass over a float
+tensor and a masked write of the layer's output: on BERT-base 32x128 int8 (H200) the marks at
+every point took ~200 of ~2100 µs. Values that turn non-finite inside the network from finite
+inputs (a bf16 overflow) are saturated by the quantized layers, as in any int8 engine.
 """
 
 from __future__ import annotations
@@ -46,6 +53,20 @@ def _val(node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def float_fed(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` whose value depends on a floating-point graph input (a placeholder
+    without a recorded value counts as one): where a non-finite input can reach."""
+    fed: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = _val(node)
+            if val is None or val.is_floating_point():
+                fed.add(node)
+        elif any(a in fed for a in node.all_input_nodes):
+            fed.add(node)
+    return fed
+
+
 def guard_graph(gm: fx.GraphModule) -> int:
     """Mark the quantized inputs and poison the float outputs of ``gm`` (in place); returns how
     many quantization points were marked (0: the graph is unchanged).
@@ -60,10 +81,13 @@ def guard_graph(gm: fx.GraphModule) -> int:
     batch = {str(_val(n).shape[0]) for n in _float_outputs(output) if _val(n).dim() >= 1}
     batch = batch.pop() if len(batch) == 1 else None
     carried, marked = [], 0
+    fed = float_fed(gm)
     for node in list(gm.graph.nodes):
         module = _quantized_module(gm, node)
         if module is None and not (node.op == "call_function"
                                    and node.target is layer_norm_quant_call):
+            continue
+        if node.args[0] not in fed:
             continue
         source, marked = node.args[0], marked + 1
         val = _val(source)
@@ -75,6 +99,7 @@ def guard_graph(gm: fx.GraphModule) -> int:
                 poisoned = gm.graph.call_function(poison_rows, (node, mark))
             poisoned.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(poisoned, delete_user_cb=lambda u, p=poisoned: u is not p)
+            fed.add(poisoned)  # the layers after it now read it: still float-fed
             continue
         rows = val is not None and val.dim() >= 1 and str(val.shape[0]) == batch
         with gm.graph.inserting_after(source):
@@ -126,6 +151,13 @@ def _poison_hook(module: nn.Module, args: tuple, output):
     # network pools it.
     row_dims = 1 if _is_conv(module) else x.dim() - 1
     return poison_rows(output, nonfinite_rows(x, min(row_dims, output.dim())))
+
+
+def float_inputs_used(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` (a prepared or converted graph) computes anything from a floating-point
+    input: a swapped model needs NaN hooks only then (``guard_model``)."""
+    fed = float_fed(gm)
+    return any(n in fed for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
 
 
 def guard_model(model: nn.Module) -> int:

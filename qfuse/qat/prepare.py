@@ -252,9 +252,10 @@ def prepare_qat(
     state.qat, state.merged = record, merged
     state.pipeline, state.passes = options, dict(run.records)
     set_state(gm, state)
-    devices = {p.device for p in gm.parameters()}
-    if len(devices) == 1 and (device := devices.pop()).type != "cpu":
-        # Fake-quant modules and their observers are built on the CPU: put them where the model
-        # is (DDP broadcasts every buffer over NCCL, which has no CPU backend; H200, 2026-11-25).
-        gm.to(device)
+    # Fake-quant modules, their observers and learnable scales are built on the CPU: put them
+    # where the model is (DDP broadcasts every buffer over NCCL, which has no CPU backend; H200,
+    # 2026-11-25). The CPU-built LSQ scales are parameters too, so the CPU does not count.
+    devices = {p.device for p in gm.parameters()} - {torch.device("cpu")}
+    if len(devices) == 1:
+        gm.to(devices.pop())
     return gm.train()
