@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from qfuse.errors import CaptureError, ShapeError
+from qfuse.errors import CaptureError, ShapeError, UnsupportedError
 from qfuse.fusion.gemms import canonicalize_gemms
 from qfuse.fusion.guards import guard_input_types
 from qfuse.shapes import guard_inputs
@@ -31,6 +31,9 @@ from qfuse.validate import (
     check_not_quantized,
     warn_pinned_batch,
 )
+
+# (major, minor) of the running torch: meta-weight capture needs 2.13 (see ``capture``).
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -73,6 +76,12 @@ def capture(
         example_inputs = (example_inputs,)
     check_not_quantized(model)
     check_example_tensors(example_inputs, kwargs)
+    if _TORCH < (2, 13) and any(p.is_meta for p in model.parameters()):
+        raise UnsupportedError(
+            f"{type(model).__name__} has its weights on meta: capturing it needs torch >= 2.13 "
+            f"(torch {torch.__version__}'s FakeTensor cannot run meta weights with CPU inputs, "
+            "e.g. aten.embedding); upgrade torch, or build the model on the CPU."
+        )
     # Export guards a view input through its base (``input_ids._base.size()``): captured from a
     # slice of a batch, the graph then failed on every tensor that is not itself a view ("'NoneType'
     # object has no attribute 'size'"; torch 2.11's guards also pinned the slice's strides).

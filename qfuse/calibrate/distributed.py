@@ -25,7 +25,7 @@ def sync_recorders(recorders, group=None) -> None:
 
 def assign(costs: list[float], ranks: int) -> list[int]:
     """The rank that rounds each job: largest first, each to the least-loaded rank (GPTQ's cost
-    grows with ``K^2 N``; a 7B layer's down projection weighs as much as Q, K, V together).
+    grows with ``K``, its column loop: a 7B layer's down projection weighs 2.7 of the others).
 
     Example:
         >>> assign([1.0, 4.0, 1.0, 2.0], 2)

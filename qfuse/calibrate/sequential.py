@@ -163,7 +163,11 @@ def round_chains(prepared: fx.GraphModule, chains, group=None) -> int:
     dtype = state.config.dtype
     jobs = [c for c in chains if c.name in state.hessians and c.name not in state.smoothed]
     weights = [attr_tensor(prepared, c.weight).detach().float() for c in jobs]
-    costs = [float(w[0].numel()) ** 2 * w.shape[0] for w in weights]  # K^2 N
+    # GPTQ's time follows K, its column loop, and hardly N (H200, bench/results/
+    # gptq_cost_h200.json: 4096x4096 and 14336x4096 both ~0.48 s, K = 14336 1.75 s). Weighing
+    # by K^2 N gave one of two ranks a 7B layer's gate, up and three more projections against
+    # down and one: 2 GPUs rounded 1.33x faster than one, not ~1.8x.
+    costs = [float(w[0].numel()) for w in weights]
     owners = assign(costs, world_size(group))
     me = rank(group)
     # Every rank rounds all of its own layers first, then the results are exchanged: a

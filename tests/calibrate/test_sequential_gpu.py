@@ -48,6 +48,11 @@ def test_sequential_on_cuda_equals_whole_model_on_cuda(llama):
             assert torch.equal(out[key].cpu(), value), key
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason="capturing meta weights needs torch >= 2.13 (the device image has 2.11: its "
+           "FakeTensor refused meta weights with CPU inputs in aten.embedding)",
+)
 def test_shards_on_cuda_equal_the_loaded_model_on_cuda(llama, shards):
     folder, meta, batches, _ = shards
     cuda = torch.device("cuda")

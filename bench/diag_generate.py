@@ -1,0 +1,89 @@
+"""Where ``generate()``'s per-token time goes: GPU kernels against the wall, and Dynamo's graph
+breaks and recompiles, for bf16 and qfuse on the TinyLlama-shape Llama of ``bench_llm.py``.
+
+    PYTHONPATH=. python bench/diag_generate.py --out $OUT/diag_generate.json
+    PYTHONPATH=. python bench/diag_generate.py --tiny          # CPU smoke test
+
+For each impl: ``generate(cache_implementation="static")`` greedy as a user calls it (its first
+calls compile), then one call of ``--tokens`` new tokens under torch.profiler: wall time, summed
+GPU kernel time and kernel count per new token, the top kernels, and Dynamo's counters (graph
+breaks, unique graphs) collected over the whole run. A per-token wall well above the GPU time
+is host time (Python, launches) that no kernel can win back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from bench_llm import PROMPT, build, qfuse_model  # noqa: E402
+
+
+def profile_generate(model, ids, tokens: int, device: str) -> dict:
+    from torch._dynamo.utils import counters
+
+    def gen(n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, cache_implementation="static")
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen(tokens)  # compiles
+    gen(tokens)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gen(tokens)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    row = dict(wall_us_per_token=wall / tokens * 1e6,
+               graph_breaks=sum(counters["graph_break"].values()),
+               unique_graphs=counters["stats"].get("unique_graphs", 0),
+               break_reasons=sorted(counters["graph_break"])[:8])
+    if device == "cuda":
+        kernels = harness.cuda_kernels(lambda: gen(tokens))
+        total = sum(us for _, us in kernels)
+        by_name: dict[str, float] = {}
+        for name, us in kernels:
+            by_name[name[:80]] = by_name.get(name[:80], 0.0) + us
+        row.update(gpu_us_per_token=total / tokens, kernels_per_token=len(kernels) / tokens,
+                   top=sorted(((round(us / tokens, 1), n) for n, us in by_name.items()),
+                              reverse=True)[:10])
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impls", default="bf16,qfuse_int8")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    shape, device = ("tiny", "cpu") if args.tiny else ("tinyllama", "cuda")
+    harness.DEVICE = device
+    bf16 = build(shape, device, torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, bf16.config.vocab_size, (1, PROMPT[shape]), generator=g).to(device)
+    rows = []
+    for impl in args.impls.split(","):
+        model = bf16 if impl == "bf16" else qfuse_model(bf16, impl, bf16.config.vocab_size,
+                                                          device)
+        try:
+            row = dict(impl=impl, **profile_generate(model, ids, args.tokens, device))
+        except Exception as exc:  # noqa: BLE001 — a failing row is a result
+            row = dict(impl=impl, error=harness.error_text(exc))
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "top"}, flush=True)
+    if args.out:
+        harness.write_results(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
