@@ -1,8 +1,29 @@
 """Test fixtures; the environment (Triton interpreter on) is set in the root conftest.py.
-GPU-marked tests skip without CUDA."""
+GPU-marked tests skip without CUDA.
+
+Under pytest-xdist (CI: ``-n 2`` on 2 cores) each worker computes on one thread, and tests are
+sent to workers a module at a time, so a module's module-scoped fixtures and module-level caches
+(``_CASES`` and the like) are built once; a subdirectory with its own conftest.py (export's
+``make_case``, calibrate's ``llama``: session fixtures) goes to one worker whole, so those are
+built once too.
+"""
+
+import os
+from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: a second intra-op thread per worker only oversubscribes. The
+    # variable reaches the processes tests start (fresh-process exports, gloo ranks).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # inter-op work already ran; the intra-op thread count is what matters
+        pass
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,6 +33,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` without ``--dist``: the module scheduling described above (an explicit ``--dist``
+    mode is left to xdist). Not ``--dist loadgroup``: with pytest 9.2 its groups are silently
+    dropped (pytest-xdist issue #1386)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(config.rootpath)
+
+    @cache
+    def scope_of(module: str) -> str:
+        for parent in Path(module).parents:
+            if parent in (Path("."), Path("tests")):
+                break
+            if (root / parent / "conftest.py").exists():
+                return str(parent)
+        return module
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid.split("::", 1)[0])
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture
