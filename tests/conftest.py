@@ -3,9 +3,9 @@ GPU-marked tests skip without CUDA.
 
 Under pytest-xdist (CI: ``-n 2`` on 2 cores) each worker computes on one thread, and tests are
 sent to workers a module at a time, so a module's module-scoped fixtures and module-level caches
-(``_CASES`` and the like) are built once; a subdirectory with its own conftest.py (export's
+(``_CASES`` and the like) are built once. A subdirectory with its own conftest.py (export's
 ``make_case``, calibrate's ``llama``: session fixtures) goes to one worker whole, so those are
-built once too.
+built once too; so do the directories in ``SHARED_FILES``.
 """
 
 import os
@@ -14,6 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Directories whose modules write the same files: one worker runs them one after another.
+SHARED_FILES = {
+    # recipes/.cache/digits_net_seed0_e40.pt: ptq_digits and qat_digits train it when missing
+    # and write it through one temp name (and would train it twice).
+    "tests/recipes",
+}
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: a second intra-op thread per worker only oversubscribes. The
@@ -51,7 +58,7 @@ def pytest_xdist_make_scheduler(config, log):
         for parent in Path(module).parents:
             if parent in (Path("."), Path("tests")):
                 break
-            if (root / parent / "conftest.py").exists():
+            if str(parent) in SHARED_FILES or (root / parent / "conftest.py").exists():
                 return str(parent)
         return module
 
