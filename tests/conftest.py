@@ -1,14 +1,14 @@
 """Test fixtures; the environment (Triton interpreter on) is set in the root conftest.py.
 GPU-marked tests skip without CUDA.
 
-Under pytest-xdist (CI: ``-n 2`` on 2 cores) each worker computes on one thread, and tests are
-sent to workers a module at a time, so a module's module-scoped fixtures and module-level caches
-(``_CASES`` and the like) are built once. A subdirectory with its own conftest.py (export's
-``make_case``, calibrate's ``llama``: session fixtures) goes to one worker whole, so those are
-built once too; so do the directories in ``SHARED_FILES``.
+Under pytest-xdist (CI: ``-n 2`` on 2 cores) each worker computes on one thread (set in the root
+conftest.py, before torch and numpy load), and tests are sent to workers a module at a time, so a
+module's module-scoped fixtures and module-level caches (``_CASES`` and the like) are built once.
+A subdirectory with its own conftest.py (export's ``make_case``, calibrate's ``llama``: session
+fixtures) goes to one worker whole, so those are built once too; so do the directories in
+``SHARED_FILES``.
 """
 
-import os
 from functools import cache
 from pathlib import Path
 
@@ -21,16 +21,6 @@ SHARED_FILES = {
     # and write it through one temp name (and would train it twice).
     "tests/recipes",
 }
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on two cores: a second intra-op thread per worker only oversubscribes. The
-    # variable reaches the processes tests start (fresh-process exports, gloo ranks).
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # inter-op work already ran; the intra-op thread count is what matters
-        pass
 
 
 def pytest_collection_modifyitems(config, items):
