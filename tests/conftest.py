@@ -59,6 +59,16 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets torch's thread count (``bench/calib_large.main`` does) sets it for the
+    tests after it on the same process: restore it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def device():
     """The device the current test targets: CUDA when present, else CPU (interpreter)."""
