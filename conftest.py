@@ -9,3 +9,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n 2 on 2 cores: one thread per worker for torch (OpenMP) and numpy (OpenBLAS: the
+    # Triton interpreter's dots), set before either loads; the processes tests start inherit it.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"

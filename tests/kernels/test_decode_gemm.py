@@ -35,9 +35,11 @@ SCHEDULES = {
 @pytest.mark.parametrize("K", [150, 152], ids=["k_odd", "k_words"])
 def test_decode_schedules(device, name, qdtype, K):
     cfg = SCHEDULES[name]
+    # N = 21: a partial column block after one (BLOCK_N 16), two (8) or five (4) full ones, and
+    # no more: the interpreter's time grows with the number of blocks.
     for M, out_dtype, x_mode in ((1, torch.int8, "static"), (5, torch.bfloat16, "channels"),
                                  (3, torch.int8, "quantized")):
-        check(make_case(M, K, 37, device, qdtype=qdtype, x_mode=x_mode, act="silu",
+        check(make_case(M, K, 21, device, qdtype=qdtype, x_mode=x_mode, act="silu",
                         out_dtype=out_dtype, residual=True), cfg)
     if qdtype == torch.int8:  # zero points: the prologue's and the epilogue's
         for x_mode in ("static", "quantized"):
