@@ -17,6 +17,7 @@ from torch import nn
 
 import qfuse
 from calibration.digits import batches, load_digits_splits
+from qfuse.fileio import atomic_path
 from qfuse.tools.timing import median_ms
 
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -71,9 +72,8 @@ def load_or_train(splits, epochs: int, seed: int, use_cache: bool) -> DigitsNet:
     model = train(splits, epochs, seed)
     if use_cache:
         CACHE.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(model.state_dict(), tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:  # a per-writer temp name: parallel trainers never collide
+            torch.save(model.state_dict(), tmp)
     return model
 
 

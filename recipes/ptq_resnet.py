@@ -21,6 +21,7 @@ from torch import nn
 
 import qfuse
 from calibration.digits import load_digits_splits
+from qfuse.fileio import atomic_path
 from recipes.ptq_digits import digits_spec, print_results, ptq_results
 
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -112,9 +113,8 @@ def load_or_train(x, y, epochs: int, seed: int, use_cache: bool) -> DigitsResNet
     model = train(x, y, epochs, seed)
     if use_cache:
         CACHE.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(model.state_dict(), tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:  # a per-writer temp name: parallel trainers never collide
+            torch.save(model.state_dict(), tmp)
     return model
 
 
