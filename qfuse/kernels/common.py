@@ -114,31 +114,66 @@ def round_half_even(x):
 
 
 @triton.jit
-def quantize_int8(x, inv_scale, zero_point):
-    """float32 -> int8: clamp(round(x * inv_scale) + zero_point, -128, 127).
+def _asm_f32(x, OP: tl.constexpr):
+    """One PTX instruction ``OP $0, $1`` on a float32, result float32 (bit casts are free)."""
+    out = tl.inline_asm_elementwise(
+        OP + " $0, $1;", "=r,r", [x.to(tl.float32).to(tl.int32, bitcast=True)],
+        dtype=tl.int32, is_pure=True, pack=1,
+    )
+    return out.to(tl.float32, bitcast=True)
 
-    The zero point rides in the rounding constant: ``v + MAGIC`` is the rounded integer plus
-    MAGIC (|v| <= 256), and ``MAGIC - zero_point`` is exact for an integer zero point, so one
-    subtraction gives ``round(v) + zero_point`` with the same bits as rounding and adding apart,
-    one float op an element fewer (an asymmetric GELU tile sat at the register limit)."""
+
+@triton.jit
+def _sat_s8(x, OP: tl.constexpr):
+    """``cvt.<OP>.sat.s8.f32``: float32 -> int8 with the given rounding, saturated to
+    [-128, 127] in the same instruction (PTX lets a 32-bit register hold the s8 result)."""
+    out = tl.inline_asm_elementwise(
+        "cvt." + OP + ".sat.s8.f32 $0, $1;", "=r,r", [x.to(tl.float32).to(tl.int32, bitcast=True)],
+        dtype=tl.int32, is_pure=True, pack=1,
+    )
+    return out.to(tl.int8)
+
+
+@triton.jit
+def quantize_int8(x, inv_scale, zero_point, HAS_ZP: tl.constexpr = True):
+    """float32 -> int8: clamp(round(x * inv_scale) + zero_point, -128, 127), ties to even.
+
+    Compiled: ``cvt.rni.sat.s8`` rounds and saturates in one instruction; with a zero point the
+    product is rounded first (``cvt.rni.f32.f32``), the integer zero point added (exact) and the
+    sum converted saturating — the reference's bits, 2-4 instructions an element where the
+    clamp / magic-number form below takes 8 (it ran in every requantizing epilogue and prologue).
+    ``HAS_ZP=False``: the zero point is 0 and not added.
+
+    Interpreted (no PTX): the zero point rides in the rounding constant: ``v + MAGIC`` is the
+    rounded integer plus MAGIC (|v| <= 256), and ``MAGIC - zero_point`` is exact for an integer
+    zero point, so one subtraction gives ``round(v) + zero_point``."""
     v = x * inv_scale
-    v = tl.minimum(tl.maximum(v, -256.0), 256.0)
-    v = (v + ROUND_MAGIC) - (ROUND_MAGIC - zero_point)
-    v = tl.minimum(tl.maximum(v, -128.0), 127.0)
-    return v.to(tl.int8)
+    if INTERPRETED:
+        v = tl.minimum(tl.maximum(v, -256.0), 256.0)
+        v = (v + ROUND_MAGIC) - (ROUND_MAGIC - zero_point)
+        v = tl.minimum(tl.maximum(v, -128.0), 127.0)
+        return v.to(tl.int8)
+    elif HAS_ZP:
+        return _sat_s8(_asm_f32(v, "cvt.rni.f32.f32") + zero_point, "rzi")
+    else:
+        return _sat_s8(v, "rni")
 
 
 @triton.jit
 def quantize_fp8(x, inv_scale, EXACT: tl.constexpr):
     """float32 -> float8 e4m3fn: clamp(x * inv_scale, -448, 448), round to nearest even.
 
-    Clamping first gives saturation (torch's own cast would turn overflow into NaN). ``EXACT``
-    rounds with integer ops before the cast, for the interpreter (see ``round_to_float_grid``).
+    Clamping gives saturation (torch's own cast would turn overflow into NaN). Compiled, the
+    cast is ``cvt.rn.satfinite.e4m3x2.f32``, which saturates finite values itself (and keeps
+    NaN, as the reference's clamp does), so no clamp is issued. ``EXACT`` rounds with integer
+    ops before the cast, for the interpreter (see ``round_to_float_grid``).
     """
     v = x * inv_scale
-    v = tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX)
     if EXACT:
+        v = tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX)
         return fp8_from_grid(round_to_float_grid(v, 3, -6))
+    elif INTERPRETED:
+        return tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX).to(tl.float8e4nv)
     return v.to(tl.float8e4nv)
 
 
@@ -201,24 +236,52 @@ def gelu_erf(x):
 
 
 @triton.jit
-def gelu_erf_fast(x):
-    """``gelu_erf``'s formula with the hardware's approximate exp and division: ~15
-    instructions an element against ~40 for libdevice ``erff`` (whose two branches both run when
-    a warp's values straddle them), where the epilogue runs after the MMAs with the tensor cores
-    idle. Abramowitz & Stegun's 1.5e-7 absolute error in erf plus a few ulp of rounding.
+def rcp_approx(x):
+    """1 / x by the special-function unit alone (``rcp.approx.ftz``, ~1 ulp; ``1.0 / x`` is
+    ``div.full.f32``, which adds range checks and a multiply)."""
+    if INTERPRETED:
+        return 1.0 / x
+    else:
+        return _asm_f32(x, "rcp.approx.ftz.f32")
 
-    Every product that meets an add is an explicit ``tl.fma`` or an explicitly rounded
-    ``mul_rn``: the compiler may not contract anything, so Triton's launch (no FP fusion) and
-    Inductor's (FP fusion on) compute the same bits."""
-    z = x * 0.7071067811865476
-    az = tl.abs(z)
-    t = 1.0 / tl.fma(az, 0.3275911, 1.0)
-    poly = tl.fma(t, 1.061405429, -1.453152027)
-    poly = tl.fma(poly, t, 1.421413741)
-    poly = tl.fma(poly, t, -0.284496736)
-    poly = tl.fma(poly, t, 0.254829592)
-    erfc = mul_rn(poly * t, tl.exp(-(az * az)))
-    return 0.5 * x * tl.where(z < 0.0, erfc, 2.0 - erfc)
+
+@triton.jit
+def exp2_approx(x):
+    """2 ** x by the special-function unit alone (``ex2.approx.ftz``, ~2 ulp; ``tl.exp`` adds
+    a scaling of the argument and denormal handling around it)."""
+    if INTERPRETED:
+        return tl.exp2(x)
+    else:
+        return _asm_f32(x, "ex2.approx.ftz.f32")
+
+
+@triton.jit
+def gelu_erf_fast(x):
+    """``gelu_erf``'s formula (Abramowitz & Stegun 7.1.26, 1.5e-7 absolute error in erf) on the
+    special-function unit: ~15 instructions an element against ~40 for libdevice ``erff``
+    (whose two branches both run when a warp's values straddle them) or ``gelu_erf``'s IEEE
+    polynomials, where the epilogue runs after the MMAs with the tensor cores idle.
+
+        gelu(x) = x * Phi(x),  Phi(x) = q for x < 0, 1 - q otherwise,
+        q = 0.5 * erfc(|x| / sqrt 2) = poly(t) * t * exp(-x^2 / 2),  t = 1 / (1 + p |x| / sqrt 2)
+
+    with A&S's coefficients halved and p / sqrt 2 folded. Every product that meets an add is an
+    explicit ``tl.fma`` or an explicitly rounded ``mul_rn``: the compiler may not contract
+    anything, so Triton's launch (no FP fusion) and Inductor's (FP fusion on) compute the same
+    bits."""
+    t = rcp_approx(tl.fma(tl.abs(x), 0.23164188826636045, 1.0))
+    poly = tl.fma(t, 0.5307027145, -0.7265760135)
+    poly = tl.fma(poly, t, 0.7107068705)
+    poly = tl.fma(poly, t, -0.142248368)
+    poly = tl.fma(poly, t, 0.127414796)
+    q = mul_rn(mul_rn(poly, t), exp2_approx(mul_rn(x, x) * -0.7213475204444817))
+    return mul_rn(x, tl.where(x < 0.0, q, 1.0 - q))
+
+
+@triton.jit
+def sigmoid_fast(x):
+    """1 / (1 + exp(-x)) on the special-function unit (two instructions and an add)."""
+    return rcp_approx(1.0 + exp2_approx(x * -1.4426950408889634))
 
 
 @triton.jit
@@ -244,7 +307,7 @@ def hardswish(x):
 def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
     """The activation coded ``ACT``. ``FAST`` swaps the IEEE-exact GELU/SiLU polynomials (~40
     float ops an element, run after the MMAs) for forms on the hardware's approximate ``exp``
-    and division (``gelu_erf_fast``, ``tl.sigmoid``): outputs then
+    and reciprocal (``gelu_erf_fast``, ``sigmoid_fast``): outputs then
     differ from the CPU reference by rounding (int8: at most one step, rarely; tested in
     tests/kernels/test_fast_epilogue.py). ReLU and identity are exact either way."""
     if ACT == 1:
@@ -257,12 +320,12 @@ def activation(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
     elif ACT == 3:
         if FAST:
             # fma, not x + c * x^3: no contraction left to the compiler (see gelu_erf_fast)
-            x = x * tl.sigmoid(1.5957691216057308 * tl.fma(0.044715 * (x * x), x, x))
+            x = mul_rn(x, sigmoid_fast(1.5957691216057308 * tl.fma(0.044715 * (x * x), x, x)))
         else:
             x = gelu_tanh(x)
     elif ACT == 4:
         if FAST:
-            x = x * tl.sigmoid(x)
+            x = mul_rn(x, sigmoid_fast(x))
         else:
             x = silu(x)
     elif ACT == 5:

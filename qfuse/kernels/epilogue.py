@@ -94,7 +94,8 @@ def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.con
         out_zp = 0.0
         if HAS_OUT_ZP:
             out_zp = tl.load(out_zp_ptr).to(tl.float32)
-        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp), mask=mask)
+        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp, HAS_OUT_ZP),
+                 mask=mask)
     elif OUT_Q == 2:
         tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
     else:

@@ -17,7 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from qfuse.kernels.common import quantize_fp8, quantize_int8, round_to_float_grid
+from qfuse.kernels.common import INTERPRETED, quantize_fp8, quantize_int8, round_to_float_grid
+
+
+@triton.jit
+def to_grid(y, x_ptr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """``y`` rounded to x's float dtype, kept in float32: the GPU's own round trip through the
+    narrow type rounds to nearest even in two instructions; the interpreter's casts truncate, so
+    it rounds by integer ops (``round_to_float_grid``, ~10 an element)."""
+    if INTERPRETED:
+        return round_to_float_grid(y, MANT, EMIN)
+    else:
+        return y.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -47,7 +58,7 @@ def _ln_quant_kernel(
         var = tl.sum(x * x, axis=1) / D
         y = x * (1.0 / tl.sqrt(var + EPS))[:, None]
         if H_MANT > 0:  # hidden.to(input_dtype) before the weight multiplies it
-            y = round_to_float_grid(y, H_MANT, H_EMIN)
+            y = to_grid(y, x_ptr, H_MANT, H_EMIN)
     else:
         mean = tl.sum(x, axis=1) / D
         xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -59,7 +70,7 @@ def _ln_quant_kernel(
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     if Y_MANT > 0:  # round to the float output's grid first: what a separate reader quantizes
-        y = round_to_float_grid(y, Y_MANT, Y_EMIN)
+        y = to_grid(y, x_ptr, Y_MANT, Y_EMIN)
     if WRITE_Y:
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -70,7 +81,7 @@ def _ln_quant_kernel(
         zp = 0.0
         if HAS_ZP:
             zp = tl.load(zp_ptr).to(tl.float32)
-        q = quantize_int8(y, inv, zp)
+        q = quantize_int8(y, inv, zp, HAS_ZP)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
 
 
