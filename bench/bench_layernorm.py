@@ -35,7 +35,7 @@ def sweep(x, w, b, qdtype, base: float) -> list[dict]:
                                           schedule=s)
 
     ref = call(None)
-    default = (layernorm.rows_per_program(D), 4)
+    default = (layernorm.rows_per_program(D, M), 4)
     rows = []
     for sched in SCHEDULES:
         row = dict(D=D, M=M, qdtype=str(qdtype), rows=sched[0], warps=sched[1],

@@ -88,9 +88,18 @@ def _ln_quant_kernel(
 _GRIDS = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 
 
-def rows_per_program(D: int) -> int:
-    """~4K elements a program: the row stays in registers, without spills."""
-    return max(1, min(16, 4096 // triton.next_power_of_2(D)))
+# Programs a launch should have at least (two per SM of an H100/H200): a small batch (MiniLM at
+# 1x128 is 128 rows) would otherwise run on a few SMs, each program walking several rows.
+MIN_PROGRAMS = 256
+
+
+def rows_per_program(D: int, M: int | None = None) -> int:
+    """~4K elements a program: the row stays in registers, without spills; halved (down to one
+    row) while ``M`` rows would give fewer than ``MIN_PROGRAMS`` programs."""
+    rows = max(1, min(16, 4096 // triton.next_power_of_2(D)))
+    while M is not None and rows > 1 and -(-M // rows) < MIN_PROGRAMS:
+        rows //= 2
+    return rows
 
 
 def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, interpreted,
@@ -103,7 +112,7 @@ def launch_args(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, in
     q = torch.empty((M, D), device=x.device, dtype=qdtype)
     mant, emin = _GRIDS.get(x.dtype, (0, 0))  # integer rounding: exact on GPU and interpreter
     dummy = inv_scale
-    block_m, warps = schedule or (rows_per_program(D), 4)
+    block_m, warps = schedule or (rows_per_program(D, M), 4)
     args = dict(
         x_ptr=x, w_ptr=weight if weight is not None else dummy,
         b_ptr=bias if bias is not None else dummy, inv_scale_ptr=inv_scale,

@@ -86,7 +86,8 @@ def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, w
 
     D = x.shape[-1]
     M = x.numel() // D
-    key = (x.device, D, x.dtype, qdtype, write_y, weight is None, bias is None,
+    rows = k.rows_per_program(D, M)
+    key = (x.device, D, rows, x.dtype, qdtype, write_y, weight is None, bias is None,
            zero_point is None, float(eps), rms)
     plan = _PLANS.get(key)
     if plan is None or isinstance(plan, str) or x.data_ptr() % 16:
@@ -100,7 +101,7 @@ def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, w
         y = x.new_empty(x.shape if write_y else (0,))
         q = x.new_empty(x.shape, dtype=qdtype)
         dummy = inv_scale
-        plan(-(-M // k.rows_per_program(D)), 1, raw_stream(x.device), x,
+        plan(-(-M // rows), 1, raw_stream(x.device), x,
              weight if weight is not None else dummy, bias if bias is not None else dummy,
              inv_scale, zero_point if zero_point is not None else dummy,
              y if write_y else q, q, M)

@@ -53,3 +53,21 @@ def test_static(device, qdtype, per_channel):
 def test_empty(device):
     q, scale = quantize(torch.empty(0, 8, device=device), torch.int8, None, None, exact=False)
     assert q.shape == (0, 8) and scale.shape == (0,)
+
+
+@pytest.mark.parametrize("zp", [None, -5, 7])
+def test_int8_ties_and_saturation(device, zp):
+    """Exact halves round to even, far and infinite values saturate, with and without a zero
+    point: the compiled path rounds and saturates in ``cvt.rni.sat.s8`` (after rounding, then
+    adding the zero point), the interpreter by clamps and a rounding constant; both must give
+    the reference's codes."""
+    halves = torch.arange(-140, 140, dtype=torch.float32) + 0.5
+    far = torch.tensor([1e30, -1e30, float("inf"), float("-inf"), 3e9, -3e9, 255.5, -256.5])
+    x = torch.cat([halves, -halves, far, torch.zeros(4)]).to(torch.bfloat16)[None, :]
+    inv = torch.tensor(1.0)
+    zpt = torch.tensor(zp, dtype=torch.int32) if zp is not None else None
+    q, _ = quantize(x.to(device), torch.int8, inv.to(device),
+                    zpt.to(device) if zpt is not None else None, exact=device.type == "cpu")
+    ref = reference._quantize_input(x, inv, zpt, torch.int8)
+    assert torch.equal(q.cpu(), ref)
+    assert {-128, 127} <= set(ref.unique().tolist())
