@@ -298,7 +298,8 @@ def convert(
             elif f"{rec.name} (residual)" in readers:
                 rec.note = "; ".join(filter(None, [rec.note, f"residual quantized from {producer}"
                                                   f" through {pool}"]))
-    from_norm = fused.results.get("fuse_norms") or {}
+    from_norm = {**(fused.results.get("fuse_norms") or {}),
+                 **(fused.results.get("fuse_attention") or {})}
     for rec in layers:
         if rec.name in from_norm:
             rec.input = f"{rec.precision} from {from_norm[rec.name]}"

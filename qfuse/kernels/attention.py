@@ -44,15 +44,17 @@ _OUT_CODES = {torch.int8: 1, FP8: 2}  # anything else: the float dtype of q (cod
 def _attention_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, mask_ptr, inv_scale_ptr, zp_ptr, out_ptr,
-    # dimensions (qk_scale: the softmax scale times log2 e)
-    H, S_Q, S_K, D, qk_scale,
+    # dimensions
+    H, S_Q, S_K, D,
     # strides: q, k, v [B, H, S, D]; mask [B, H, S_Q, S_K] (0 where broadcast); out [B, S_Q, H*D]
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_ob, stride_os,
-    # meta-parameters
+    # meta-parameters (the softmax scale times log2 e a constexpr too: Inductor passes a Python
+    # float as fp64, which would make the scores fp64)
+    QK_SCALE: tl.constexpr,
     MASK: tl.constexpr,  # 0: none, 1: boolean (nonzero keeps), 2: additive
     OUT: tl.constexpr,  # 0: q's float dtype, 1: int8, 2: fp8 e4m3
     HAS_ZP: tl.constexpr,
@@ -93,7 +95,7 @@ def _attention_kernel(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = s * qk_scale
+        s = s * QK_SCALE
         keep = col_ok[None, :]
         if MASK == 1:
             mv = tl.load(m_base + cols[None, :] * stride_mk, mask=row_ok[:, None] & keep,
@@ -240,12 +242,13 @@ def launch_args(q, k, v, mask, scale, inv_scale, zero_point, out_dtype, interpre
         q_ptr=q, k_ptr=k, v_ptr=v, mask_ptr=mask if mask is not None else dummy,
         inv_scale_ptr=inv_scale if inv_scale is not None else dummy,
         zp_ptr=zero_point if zero_point is not None else dummy, out_ptr=out,
-        H=H, S_Q=S_Q, S_K=S_K, D=D, qk_scale=scale * LOG2E,
+        H=H, S_Q=S_Q, S_K=S_K, D=D,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qs=q.stride(2), stride_qd=q.stride(3),
         stride_kb=k.stride(0), stride_kh=k.stride(1), stride_ks=k.stride(2), stride_kd=k.stride(3),
         stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vs=v.stride(2), stride_vd=v.stride(3),
         stride_mb=mstrides[0], stride_mh=mstrides[1], stride_mq=mstrides[2],
         stride_mk=mstrides[3], stride_ob=out.stride(0), stride_os=out.stride(1),
+        QK_SCALE=scale * LOG2E,
         MASK=0 if mask is None else 1 if mask.dtype == torch.uint8 else 2,
         OUT=code, HAS_ZP=zero_point is not None and code == 1,
         Y_MANT=mant, Y_EMIN=emin, EXACT=interpreted, IEEE=q.dtype == torch.float32,
