@@ -80,7 +80,7 @@ def attention_quant(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    scale: float,
+    scale: float | None,
     inv_scale: torch.Tensor | None,
     zero_point: torch.Tensor | None,
     out_dtype: torch.dtype,
