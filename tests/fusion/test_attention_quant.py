@@ -111,3 +111,19 @@ def test_onnx_writes_float_attention_then_quantize(converted, tmp_path):
     (hidden,) = run_ort(path, inputs)
     ref = _run(fused, **inputs)
     assert float((hidden - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_model_within_attention_rounding(converted, dtype):
+    """On CUDA the op runs the Triton kernel: the fused model against the unfused one, eager and
+    compiled (Inductor launches the kernel through ``wrap_triton``)."""
+    import copy
+
+    fused, plain = (copy.deepcopy(m).to("cuda", dtype) for m in converted)
+    inputs = {k: v.cuda() for k, v in _inputs(7).items()}
+    out, ref = _run(fused, **inputs).float(), _run(plain, **inputs).float()
+    assert float((out - ref).norm() / ref.norm()) < 2e-2
+    with torch.no_grad():
+        compiled = torch.compile(fused, fullgraph=True)(**inputs)["last_hidden_state"].float()
+    assert float((compiled - ref).norm() / ref.norm()) < 2e-2
