@@ -16,12 +16,12 @@ transformers = pytest.importorskip("transformers")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def _bert():
+def _bert(dtype=torch.float32):
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=64)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return transformers.BertModel(config, add_pooling_layer=False).eval()
+    return transformers.BertModel(config, add_pooling_layer=False).eval().to(dtype)
 
 
 def _inputs(seed: int = 0, pad: bool = True):
@@ -33,8 +33,9 @@ def _inputs(seed: int = 0, pad: bool = True):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _prepared(cfg="int8_static", **kw):
-    p = qfuse.prepare(_bert(), getattr(qfuse.QConfig, cfg)(), (), example_kwargs=_inputs(), **kw)
+def _prepared(cfg="int8_static", dtype=torch.float32, **kw):
+    p = qfuse.prepare(_bert(dtype), getattr(qfuse.QConfig, cfg)(), (), example_kwargs=_inputs(),
+                      **kw)
     with torch.no_grad():
         for seed in range(3):
             p(**_inputs(seed, pad=seed != 1))
@@ -45,12 +46,16 @@ def _ops(gm, target=attention_quant_call):
     return [n for n in gm.graph.nodes if n.target is target]
 
 
+def _pair(dtype=torch.float32):
+    """(fused, unfused) converts of one calibration."""
+    fused = qfuse.convert(_prepared(dtype=dtype))
+    off = qfuse.PipelineOptions(fuse_attention=False)
+    return fused, qfuse.convert(_prepared(dtype=dtype, pipeline=off))
+
+
 @pytest.fixture(scope="module")
 def converted():
-    """(fused, unfused) converts of one calibration."""
-    fused = qfuse.convert(_prepared())
-    plain = qfuse.convert(_prepared(pipeline=qfuse.PipelineOptions(fuse_attention=False)))
-    return fused, plain
+    return _pair()
 
 
 def _run(gm, **inputs):
@@ -115,12 +120,10 @@ def test_onnx_writes_float_attention_then_quantize(converted, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_fused_model_within_attention_rounding(converted, dtype):
+def test_gpu_fused_model_within_attention_rounding(dtype):
     """On CUDA the op runs the Triton kernel: the fused model against the unfused one, eager and
     compiled (Inductor launches the kernel through ``wrap_triton``)."""
-    import copy
-
-    fused, plain = (copy.deepcopy(m).to("cuda", dtype) for m in converted)
+    fused, plain = (m.to("cuda") for m in _pair(dtype))
     inputs = {k: v.cuda() for k, v in _inputs(7).items()}
     out, ref = _run(fused, **inputs).float(), _run(plain, **inputs).float()
     assert float((out - ref).norm() / ref.norm()) < 2e-2
