@@ -48,9 +48,8 @@ def _ops(gm, target=attention_quant_call):
 
 def _pair(dtype=torch.float32):
     """(fused, unfused) converts of one calibration."""
-    fused = qfuse.convert(_prepared(dtype=dtype))
-    off = qfuse.PipelineOptions(fuse_attention=False)
-    return fused, qfuse.convert(_prepared(dtype=dtype, pipeline=off))
+    p = _prepared(dtype=dtype)
+    return qfuse.convert(p), qfuse.convert(p, fuse_attention=False)
 
 
 @pytest.fixture(scope="module")
