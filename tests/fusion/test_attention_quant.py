@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.ops.attention import attention_quant_call
+from qfuse.ops.attention import INTERPRETED, attention_quant_call
 
 transformers = pytest.importorskip("transformers")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -77,6 +77,7 @@ def test_reference_path_equals_the_unfused_graph(converted):
     assert row["input"] == "int8 from attention (scaled_dot_product_attention)"
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="Triton on CPU tensors: the gpu test below")
 def test_triton_path_within_attention_rounding(converted):
     fused, plain = converted
     with qfuse.use_backend("triton"):
