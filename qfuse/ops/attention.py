@@ -115,7 +115,40 @@ def _(q, k, v, mask, scale, inv_scale, zero_point, out_dtype):
     return q.new_empty((B, S, H * D), dtype=out_dtype)
 
 
+_PLANS: dict = {}  # eager CUDA launches: key -> (CachedLaunch or why there is none, grid)
+
+
 def attention_quant_call(q, k, v, mask, scale, inv_scale, zero_point, out_dtype):
-    """What converted graphs call (``fusion.attention_quant``): ``qfuse::attention_quant``."""
-    return torch.ops.qfuse.attention_quant(q, k, v, mask, scale, inv_scale, zero_point,
-                                           out_dtype)
+    """What converted graphs call (``fusion.attention_quant``): the op where traced, compiled or
+    exported; in plain eager on CUDA the kernel through a cached launch (``kernels.launcher``),
+    skipping the dispatcher and Triton's launch, as ``layer_norm_quant_call`` does. A plan is
+    kept per shape and strides (every integer argument is fixed by them)."""
+    from qfuse.ops.qlinear import _eager
+
+    if not (_eager(q) and q.is_cuda and not INTERPRETED
+            and resolve_backend(q.device) is Backend.TRITON):
+        return torch.ops.qfuse.attention_quant(q, k, v, mask, scale, inv_scale, zero_point,
+                                               out_dtype)
+    from qfuse.kernels import attention as kernels
+    from qfuse.kernels.launcher import build, raw_stream
+
+    key = (q.device, q.dtype, out_dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(),
+           v.stride(), None if mask is None else (mask.dtype, tuple(mask.shape), mask.stride()),
+           inv_scale is None, zero_point is None, scale)
+    # Triton specializes pointers on 16-byte alignment: a plan serves aligned tensors only.
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k, v, mask) if t is not None)
+    plan = _PLANS.get(key)
+    if plan is None or isinstance(plan[0], str) or not aligned:
+        grid, args, options, out = kernels.launch_args(q, k, v, mask, scale, inv_scale,
+                                                       zero_point, out_dtype, False)
+        compiled = kernels._attention_kernel[grid](**args, **options)
+        if plan is None and aligned:
+            _PLANS[key] = (build(compiled, kernels._attention_kernel, args, 7), grid)
+        return out
+    launch, grid = plan
+    B, H, S, D = q.shape
+    out = q.new_empty((B, S, H * D), dtype=out_dtype)
+    launch(grid[0], grid[1], raw_stream(q.device), q, k, v, mask if mask is not None else out,
+           inv_scale if inv_scale is not None else out,
+           zero_point if zero_point is not None else out, out)
+    return out

@@ -73,15 +73,20 @@ def test_float_output_is_the_unfused_layout():
 
 @pytest.mark.gpu
 def test_gpu_inductor_launch_matches_eager():
-    """The traced CUDA path (``wrap_triton`` inside an Inductor graph) against the eager launch,
-    with the bf16 strided views the converted graph hands it."""
+    """The eager paths (a first, plain launch; then the cached launch) and the traced one
+    (``wrap_triton`` inside an Inductor graph) agree, with the bf16 strided views the converted
+    graph hands them, and the op itself."""
     qkv, mask = qkv_input(torch.bfloat16)
     qkv, mask = qkv.cuda(), mask.cuda()
     global INV
     old, INV = INV, INV.cuda()
     try:
-        eager = Block()(qkv, mask)
+        first = Block()(qkv, mask)
+        cached = Block()(qkv + 0, mask)  # another buffer: the cached launch's pointers
         compiled = torch.compile(Block(), fullgraph=True)(qkv, mask)
-        assert torch.equal(compiled, eager)
+        assert torch.equal(cached, first) and torch.equal(compiled, first)
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1))
+        op = torch.ops.qfuse.attention_quant(q, k, v, mask, 0.25, INV, None, torch.int8)
+        assert torch.equal(op, first)
     finally:
         INV = old
