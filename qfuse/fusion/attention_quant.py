@@ -10,7 +10,9 @@ the CPU its reference (SDPA in float32, the cast, the reference quantizer), so a
 computes what the unfused graph does up to SDPA's own float rounding.
 
 Matched: no dropout, not causal, no GQA, a 4-D q of head dim at most 256 in float32 / bf16 /
-fp16, any ``scale``, a boolean or float mask or none; between SDPA and the reader only view ops
+fp16, any ``scale``, a boolean or float mask or none; q, k and v straight from the projections
+through view and split ops (encoder self-attention: a decoder's rotary embedding or KV cache
+keeps SDPA, whose causal and decode kernels suit it); between SDPA and the reader only view ops
 (view, reshape, transpose, permute, contiguous) that each have one reader and together give the
 [B, S, H*D] row layout; the reader a ``QLinear`` with a static per-tensor input scale that reads
 it as its input only. Any other SDPA is left as it is. Runs after ``eager_rewrites`` (so a
@@ -20,6 +22,7 @@ boolean mask already goes through ``drop_full_mask``), for ``convert`` and for `
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import fx
@@ -37,12 +40,31 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              "reshape"}
 _TRANSPOSES = {aten.transpose.int, "transpose"}
 _PERMUTES = {aten.permute.default, "permute"}
-_IDENTITIES = {aten.contiguous.default, "contiguous", aten.alias.default}
+_IDENTITIES = {aten.contiguous.default, "contiguous", aten.alias.default, aten.clone.default}
+# what may sit between a projection and q, k or v: the views above and the QKV output's split
+_SPLITS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+           aten.unflatten.int, operator.getitem, "split", "unflatten"}
+_VIEWS = _RESHAPES | _TRANSPOSES | _PERMUTES | _IDENTITIES | _SPLITS
 
 
 def _val(node):
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
+
+
+def _projected(node) -> bool:
+    """True when ``node`` is a layer's output seen through view and split ops only: q, k, v of
+    encoder self-attention. Decoders' attention reads rotary-embedded q/k (arithmetic) or a KV
+    cache, and is left to SDPA's causal and decode kernels."""
+    for _ in range(12):
+        if not isinstance(node, fx.Node):
+            return False
+        if node.op == "call_module" or node.target is aten.linear.default:
+            return True
+        if node.op not in ("call_function", "call_method") or node.target not in _VIEWS:
+            return False
+        node = node.args[0] if node.args else None
+    return False
 
 
 def _sdpa_inputs(node: fx.Node):
@@ -54,6 +76,8 @@ def _sdpa_inputs(node: fx.Node):
     if args["dropout_p"] != 0.0 or args["is_causal"] is not False or node.kwargs.get(
         "enable_gqa", False
     ):
+        return None
+    if not all(_projected(args[n]) for n in names[:3]):
         return None
     q, k, v, mask = (_val(args[n]) for n in names[:4])
     if q is None or k is None or v is None or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:

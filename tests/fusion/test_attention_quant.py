@@ -92,6 +92,19 @@ def test_fp8_and_dynamic_configs():
     assert not _ops(qfuse.convert(_prepared("int8_dynamic")))  # no static scale to write with
 
 
+def test_decoder_attention_keeps_sdpa():
+    """A Llama's attention (rotary q/k, a causal mask) is not this pattern: SDPA stays."""
+    from tests.zoo_models import llama
+
+    torch.manual_seed(0)
+    model, tokens, _ = llama()
+    p = qfuse.prepare(model.eval(), qfuse.QConfig.int8_static(), (), example_kwargs=tokens())
+    with torch.no_grad():
+        p(**tokens())
+    q = qfuse.convert(p)
+    assert not _ops(q) and len(_ops(q, SDPA)) == 2
+
+
 def test_save_load_and_export_round_trip(converted, tmp_path):
     fused, _ = converted
     path = os.path.join(tmp_path, "m.safetensors")
