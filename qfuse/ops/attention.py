@@ -86,11 +86,11 @@ def attention_quant(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Non-causal attention of [B, H, S, D] ``q``, ``k``, ``v`` (any strides; ``mask`` boolean,
-    True keeps, or additive, broadcastable to [B, H, S_Q, S_K]) written as [B, S_Q, H*D]:
-    in q's float dtype, or that quantized with ``inv_scale`` (and ``zero_point``) to
-    ``out_dtype`` int8 / float8_e4m3fn. The CPU reference is SDPA in float32 followed by the cast
-    and the reference quantizer; the Triton kernel (``kernels.attention``) agrees up to the
-    attention's float rounding.
+    True keeps, or additive, broadcastable to [B, H, S_Q, S_K]; ``scale`` None: 1/sqrt(D), as
+    SDPA's) written as [B, S_Q, H*D]: in q's float dtype, or that quantized with ``inv_scale``
+    (and ``zero_point``) to ``out_dtype`` int8 / float8_e4m3fn. The CPU reference is SDPA in
+    float32 followed by the cast and the reference quantizer; the Triton kernel
+    (``kernels.attention``) agrees up to the attention's float rounding.
 
     Example:
         >>> import torch
