@@ -159,6 +159,7 @@ def convert(
     output: str = "graph",
     fuse_norms: bool | None = None,
     fuse_pools: bool | None = None,
+    fuse_attention: bool | None = None,
 ) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -178,7 +179,9 @@ def convert(
     in the same kernel (``fusion.norm_quant``; False keeps ATen's LayerNorm and the readers
     quantize in their prologue). ``fuse_pools`` lets a conv read only through a max-pool by
     fused convs requantize for them, the pool then runs on int8/fp8 (``fusion.pool_quant``;
-    False keeps ATen's float max-pool). Both default to the ``PipelineOptions`` given to
+    False keeps ATen's float max-pool). ``fuse_attention`` lets an encoder's attention read by a
+    static quantized layer write that layer's int8/fp8 input (``fusion.attention_quant``; False
+    keeps SDPA and the layer's quantize pass). All default to the ``PipelineOptions`` given to
     ``prepare`` (all on); ``qfuse.save`` records the options and ``qfuse.load`` replays them.
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
@@ -211,7 +214,8 @@ def convert(
         )
     if output not in ("graph", "model"):
         raise UnsupportedError(f"output={output!r}: use 'graph' or 'model'.")
-    options = _options(state, fuse_norms=fuse_norms, fuse_pools=fuse_pools)
+    options = _options(state, fuse_norms=fuse_norms, fuse_pools=fuse_pools,
+                       fuse_attention=fuse_attention)
     if output == "model":
         return _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace)
     with warnings.catch_warnings():  # torch's pytree spec pickling warns on deepcopy
@@ -298,7 +302,8 @@ def convert(
             elif f"{rec.name} (residual)" in readers:
                 rec.note = "; ".join(filter(None, [rec.note, f"residual quantized from {producer}"
                                                   f" through {pool}"]))
-    from_norm = fused.results.get("fuse_norms") or {}
+    from_norm = {**(fused.results.get("fuse_norms") or {}),
+                 **(fused.results.get("fuse_attention") or {})}
     for rec in layers:
         if rec.name in from_norm:
             rec.input = f"{rec.precision} from {from_norm[rec.name]}"

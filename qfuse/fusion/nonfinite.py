@@ -35,6 +35,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from qfuse.nn.base import QuantizedModule
+from qfuse.ops.attention import attention_quant_call
 from qfuse.ops.layernorm import layer_norm_quant_call
 from qfuse.ops.nonfinite import any_marks, merge_marks, nonfinite_rows, poison_rows
 
@@ -84,8 +85,8 @@ def guard_graph(gm: fx.GraphModule) -> int:
     fed = float_fed(gm)
     for node in list(gm.graph.nodes):
         module = _quantized_module(gm, node)
-        if module is None and not (node.op == "call_function"
-                                   and node.target is layer_norm_quant_call):
+        if module is None and not (node.op == "call_function" and node.target in (
+                layer_norm_quant_call, attention_quant_call)):
             continue
         if node.args[0] not in fed:
             continue

@@ -23,13 +23,15 @@ class PipelineOptions:
     (Q, K, V) become one layer (``fusion.siblings``). ``fuse_pools``: a conv read only through a
     max-pool by fused convs requantizes for them and the pool runs on int8/fp8
     (``fusion.pool_quant``). ``fuse_norms``: a LayerNorm / RMSNorm read by static quantized layers
-    quantizes its output for them in the same kernel (``fusion.norm_quant``).
+    quantizes its output for them in the same kernel (``fusion.norm_quant``). ``fuse_attention``:
+    an encoder's SDPA read by a static quantized Linear writes that Linear's int8/fp8 input
+    (``fusion.attention_quant``).
 
     Example:
         >>> import qfuse
         >>> opts = qfuse.PipelineOptions(fuse_norms=False)
         >>> sorted(k for k, v in opts.to_dict().items() if v is True)
-        ['fuse_pools', 'merge_gated', 'merge_siblings']
+        ['fuse_attention', 'fuse_pools', 'merge_gated', 'merge_siblings']
         >>> qfuse.PipelineOptions.from_dict(opts.to_dict()) == opts
         True
     """
@@ -38,6 +40,7 @@ class PipelineOptions:
     merge_siblings: bool = True
     fuse_pools: bool = True
     fuse_norms: bool = True
+    fuse_attention: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from qfuse.capture import inline_grad_wrappers
 from qfuse.errors import QFuseError
+from qfuse.fusion.attention_quant import fuse_attention_quant
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.eager_calls import eager_rewrites
 from qfuse.fusion.gated import merge_gated_linears
@@ -166,3 +167,13 @@ register(
 # no all-ones masks (eager host time).
 register(GraphPass("inline_grad_wrappers", FUSED, apply=lambda ctx: inline_grad_wrappers(ctx.gm)))
 register(GraphPass("eager_rewrites", FUSED, apply=lambda ctx: eager_rewrites(ctx.gm)))
+# After eager_rewrites: the fused attention reads the mask through drop_full_mask as SDPA did.
+register(
+    GraphPass(
+        "fuse_attention",
+        FUSED,
+        apply=lambda ctx: fuse_attention_quant(ctx.gm),
+        record=lambda ctx, result: sorted(result),
+        option="fuse_attention",
+    )
+)

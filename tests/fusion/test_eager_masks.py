@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.ops.attention import drop_full_mask
+from qfuse.ops.attention import attention_quant_call, drop_full_mask
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,8 +41,9 @@ def converted():
 def test_every_attention_reads_one_shared_dropped_mask(converted):
     _, gm = converted
     drops = [n for n in gm.graph.nodes if n.target is drop_full_mask]
-    sdpa = [n for n in gm.graph.nodes
-            if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    sdpa = [n for n in gm.graph.nodes  # SDPA, or the attention fused with its quantize
+            if n.target in (torch.ops.aten.scaled_dot_product_attention.default,
+                            attention_quant_call)]
     assert len(drops) == 1 and len(sdpa) == 2
     assert all(drops[0] in n.all_input_nodes for n in sdpa)
 

@@ -16,12 +16,14 @@ from qfuse.export.onnx.layers import GATED_ACTIVATIONS, ActivationQParams, QDQCo
 from qfuse.fusion.nonfinite import strip_marks
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.base import QuantizedModule
+from qfuse.ops.attention import attention_quant_call
 from qfuse.ops.layernorm import layer_norm_quant_call
 from qfuse.ops.pool import max_pool2d_call
 
 _GATE = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 _LN_QUANT = (layer_norm_quant_call, torch.ops.qfuse.layer_norm_quant.default)
 _MAX_POOL = (max_pool2d_call, torch.ops.qfuse.max_pool2d.default)
+_ATTENTION = (attention_quant_call, torch.ops.qfuse.attention_quant.default)
 
 
 def gated_float(y: torch.Tensor, act: str) -> torch.Tensor:
@@ -47,6 +49,19 @@ class QDQNorm(nn.Module):
         else:
             y = F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
         return y, self.qparams.q(y)
+
+
+class QDQAttention(nn.Module):
+    """``qfuse::attention_quant``: float SDPA, the [B, S, H*D] rows, then QuantizeLinear with the
+    reading layer's input scale (the unfused graph's ops)."""
+
+    def __init__(self, scale: float, qparams: ActivationQParams):
+        super().__init__()
+        self.scale, self.qparams = scale, qparams
+
+    def forward(self, q, k, v, mask):
+        o = F.scaled_dot_product_attention(q, k, v, mask, scale=self.scale)
+        return self.qparams.q(o.transpose(1, 2).flatten(2))
 
 
 class QDQMaxPool(nn.Module):
@@ -186,6 +201,19 @@ def rewrite(gm: fx.GraphModule, act_dtype: torch.dtype) -> tuple[fx.GraphModule,
                     gm.graph.erase_node(arg)
             notes.append(f"{node.name}: norm -> int8 hand-off written as float norm + "
                          "QuantizeLinear (ONNX has no norm with a quantized output)")
+        elif node.target in _ATTENTION:
+            q, k, v, mask, scale, inv, _zp, _qdtype = node.args
+            reader = _module_of_attr(gm, inv, f"quantizing attention {node.name}", ".x_inv_scale")
+            count += 1
+            name = f"qdq_attention_{count}"
+            gm.add_module(name, QDQAttention(scale, reader.x))
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_module(name, (q, k, v, mask))
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            for arg in (inv, _zp):
+                if isinstance(arg, fx.Node) and not arg.users:
+                    gm.graph.erase_node(arg)
         elif node.target in _MAX_POOL:
             x, *pool_args = node.args
             count += 1
