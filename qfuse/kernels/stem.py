@@ -1,0 +1,241 @@
+"""The stem conv (a kxk conv over few input channels) as an implicit GEMM with gathered A tiles.
+
+    out[m, n] = sum_k q(x[batch(m), c(k), ih(m, k), iw(m, k)]) * W[n, k]
+    ih = oh(m)*SH - PH + kh(k)*DH,  iw = ow(m)*SW - PW + kw(k)*DW
+    k = (kh, kw, c) flattened, K = KH*KW*C (147 for ResNet's 7x7 RGB stem)
+
+Each program owns BLOCK_M output pixels and BLOCK_N output channels; its K loop gathers the
+patch tile straight from the input (computed addresses, padding masked to the quantized zero),
+quantizes a float input in registers with ``common.quantize_int8``/``quantize_fp8`` (the
+functions the prologue and ``quantize`` use, so the int8 values equal the patch buffer's), and
+feeds ``tl.dot`` with the packed weight's contiguous K. No patch buffer: ``kernels.im2col`` wrote
+and re-read 160 bytes per output pixel (64 MB at batch 32) where this reads only the input, which
+the 49 taps re-read from L1/L2.
+
+The gather is the kernel's cost (the GEMM is ~8 GFLOP): ``StemConfig.pixel_lanes`` decides which
+axis a warp's 32 lanes run along. On NCHW input neighbouring output pixels of one tap read
+addresses SW elements apart (a warp's load touches one or two 128-byte lines); on channels-last
+input one kernel row's KW*C values are contiguous, so lanes along K coalesce instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from qfuse.errors import UnsupportedError
+from qfuse.kernels.common import quantize_fp8, quantize_int8
+from qfuse.kernels.epilogue import conv_epilogue
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class StemConfig:
+    """A schedule of ``_stem_kernel``: tile sizes, warps and pipeline depth as in
+    ``ConvConfig``, plus ``pixel_lanes`` (the gather's lanes run along output pixels, not
+    along K: see the module docstring) and ``prequantize`` (quantize a float input in its own
+    pass first and gather bytes, instead of quantizing each gathered element in registers;
+    each input element feeds ~KH*KW/(SH*SW) patches, 12 for the 7x7 stride-2 stem)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    pixel_lanes: bool
+    prequantize: bool
+    fp8_promote: int = 0
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise UnsupportedError(f"StemConfig: {name}={v}; use a power of two >= 16.")
+        p = self.fp8_promote
+        if p and (p % 32 or not 32 <= p <= self.block_k):
+            raise UnsupportedError(
+                f"StemConfig: fp8_promote={p}; use 0 or a multiple of 32 up to "
+                f"block_k={self.block_k} (see ConvConfig.fp8_promote)."
+            )
+
+
+def stem_candidates(channels_last: bool, c_out: int) -> list[StemConfig]:
+    """Schedules worth timing for a stem, best guess first (``pick_stem_config`` takes the
+    first; ``bench/stem_ab.py`` times them all). Reasoning, not yet measurements: K = 147 pads
+    to 160 with 32-wide K steps (192 with 64), and a 128-pixel tile keeps the per-pixel address
+    state at one register set per lane when lanes run along pixels (4 warps x 32 lanes)."""
+    block_n = max(16, min(triton.next_power_of_2(c_out), 64))
+    lanes = not channels_last
+    return [
+        StemConfig(128, block_n, 32, 4, 2, lanes, False),
+        StemConfig(128, block_n, 32, 4, 2, lanes, True),
+        StemConfig(256, block_n, 32, 8, 2, lanes, False),
+        StemConfig(128, block_n, 32, 4, 2, not lanes, False),
+        StemConfig(64, block_n, 32, 4, 2, lanes, False),
+        StemConfig(128, block_n, 64, 4, 2, lanes, False),
+    ]
+
+
+def pick_stem_config(channels_last: bool, c_out: int) -> StemConfig:
+    if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
+        return StemConfig(32, 16 if c_out <= 16 else 32, 32, 4, 1, not channels_last, False)
+    return stem_candidates(channels_last, c_out)[0]
+
+
+@triton.jit
+def _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
+                x_inv_scale, x_zp, x_zp_q,
+                C: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, DH: tl.constexpr,
+                DW: tl.constexpr, FP8: tl.constexpr, X_QUANTIZED: tl.constexpr,
+                HAS_X_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr,
+                PIXEL_LANES: tl.constexpr):
+    """The quantized A tile [BLOCK_M, BLOCK_K] of K columns k0..k0+BLOCK_K; padding taps are
+    the quantized zero (the zero point), columns past K anything (their weights load as 0).
+    ``PIXEL_LANES`` builds it as [BLOCK_K, BLOCK_M] (the pixel axis fastest, so a warp's lanes
+    take neighbouring pixels) and transposes it for the dot."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    c = k % C
+    tap = k // C
+    dh = (tap // KW) * DH
+    dw = (tap % KW) * DW
+    col_off = dh * sxh + dw * sxw + c * sxc
+    if PIXEL_LANES:
+        ih = ih0[None, :] + dh[:, None]
+        iw = iw0[None, :] + dw[:, None]
+        offs = pix_off[None, :] + col_off[:, None]
+        mask = mask_m[None, :] & (k < K)[:, None]
+    else:
+        ih = ih0[:, None] + dh[None, :]
+        iw = iw0[:, None] + dw[None, :]
+        offs = pix_off[:, None] + col_off[None, :]
+        mask = mask_m[:, None] & (k < K)[None, :]
+    # one unsigned compare per bound pair: a negative index wraps past H (W)
+    mask = mask & (ih.to(tl.uint32) < H) & (iw.to(tl.uint32) < W)
+    if X_QUANTIZED:
+        a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_X_ZP:
+            a = tl.where(mask, a, x_zp_q)
+    else:  # quantize(0.0) is the zero point: padding needs no special case
+        a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            a = quantize_fp8(a, x_inv_scale, EXACT)
+        else:
+            a = quantize_int8(a, x_inv_scale, x_zp)
+    if PIXEL_LANES:
+        a = tl.trans(a)
+    return a
+
+
+@triton.jit(do_not_specialize=["M"])
+def _stem_kernel(
+    # pointers
+    x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
+    res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
+    # dimensions
+    M, H, W, OH, OW, C_OUT,
+    # strides (x in elements of [N, C, H, W]; w as [C_OUT, K]; residual and output rows)
+    sxn, sxh, sxw, sxc, swo, stride_rm, stride_om,
+    # conv geometry
+    C: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    # prologue and epilogue variants (as ``conv._qconv_kernel``)
+    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
+    POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
+    HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
+    # schedule
+    LARGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PIXEL_LANES: tl.constexpr, FP8_PROMOTE: tl.constexpr,
+):
+    """``out`` [M, C_OUT] rows (channels-last) from ``x`` [N, C, H, W] (any strides) and the
+    weight [C_OUT, K], K = (kh, kw, c). ``LARGE``: input offsets past int32 (int64 math)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < C_OUT
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    batch = (offs_m // OW) // OH
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    if LARGE:
+        pix_off = batch.to(tl.int64) * sxn + ih0 * sxh + iw0 * sxw
+    else:
+        pix_off = batch * sxn + ih0 * sxh + iw0 * sxw
+
+    x_inv_scale = 1.0
+    x_zp = 0.0
+    x_zp_q = 0
+    if not X_QUANTIZED:
+        x_inv_scale = tl.load(x_inv_scale_ptr)
+    if HAS_X_ZP:
+        x_zp_q = tl.load(x_zp_ptr).to(tl.int8)
+        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+
+    K: tl.constexpr = KH * KW * C
+    w_cols = w_ptr + offs_n[None, :] * swo
+    if FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    # K is a handful of steps (5 of 32 for 7x7x3): unrolled, each step's (kh, kw, c) columns
+    # are compile-time constants and only the pixel terms are computed per element.
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        a = _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
+                        x_inv_scale, x_zp, x_zp_q, C, KW, K, DH, DW, FP8, X_QUANTIZED,
+                        HAS_X_ZP, EXACT, BLOCK_K, PIXEL_LANES)
+        k = k0 + tl.arange(0, BLOCK_K)
+        b = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & mask_n[None, :], other=0.0)
+        if FP8 and FP8_PROMOTE > 0:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+
+    conv_epilogue(
+        acc, offs_m, offs_n, mask_m, mask_n,
+        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+        out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+        HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
+        OUT_MANT, OUT_EMIN, EXACT,
+    )
+
+
+def stem_conv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, operands: tuple,
+              flags: dict, config: StemConfig, launch=None) -> torch.Tensor:
+    """Launch ``_stem_kernel`` for ``conv.qconv2d``: ``x`` [N, C, H, W] (any strides; float,
+    or int8/fp8 when ``flags["X_QUANTIZED"]``), ``weight`` [O, C, KH, KW] (``pack_weight``'s
+    layout: K contiguous) into ``out``, the channels-last [N, O, OH, OW] tensor ``qconv2d``
+    allocated. ``operands``: the kernel's tensors between weight and output, in its order
+    (scale, bias, x_inv_scale, x_zero_point, wsum, residual, residual_scale,
+    residual_zero_point, out_inv_scale, out_zero_point; absent ones a never-read dummy);
+    ``flags``: the constexprs ``qconv2d`` builds for every conv kernel; ``launch`` wraps the
+    kernel before its launch."""
+    launch = launch or (lambda k: k)
+    n, c, h, w = x.shape
+    c_out, _, kh, kw = weight.shape
+    oh, ow = out.shape[2], out.shape[3]
+    M = n * oh * ow
+    w2 = weight.permute(0, 2, 3, 1).reshape(c_out, kh * kw * c)  # a view of a packed weight
+    if w2.stride(1) != 1:
+        w2 = w2.contiguous()
+    sx = x.stride()
+    # the largest offset a (masked or not) pointer of the tile can form, padding taps included
+    span = sum(abs(s) * (d + 2 * kh + 2 * kw) for s, d in zip(sx, x.shape, strict=True))
+    cfg = config
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(c_out, cfg.block_n))
+    launch(_stem_kernel)[grid](
+        x, w2, *operands, out,
+        M, h, w, oh, ow, c_out,
+        sx[0], sx[2], sx[3], sx[1], w2.stride(0), c_out, c_out,
+        C=c, **flags,
+        LARGE=span >= 2**31, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PIXEL_LANES=cfg.pixel_lanes, FP8_PROMOTE=cfg.fp8_promote if flags["FP8"] else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+    return out
