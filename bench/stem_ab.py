@@ -99,7 +99,7 @@ def run_case(batch, hw, c_out, qname, qdtype, channels_last, device, tiny) -> li
     old_fn = lambda: conv.qconv2d(**args, stem_path="im2col")  # noqa: E731
     old = old_fn()
     variants = [("old", dict(stem_path="im2col"), None), ("flat", dict(stem_path="flat"), None)]
-    candidates = stem.stem_candidates(channels_last, c_out)
+    candidates = stem.stem_candidates(c_out)
     if tiny:  # the interpreter: its smallest tiles, each knob once
         candidates = [stem.StemConfig(32, 32, 32, 4, 1, lanes, pq)
                       for lanes in (True, False) for pq in (False, True)]

@@ -208,11 +208,6 @@ def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> Con
     return ConvConfig(block_m, block_n, block_k, 4, 4)
 
 
-def _channels_last(x: torch.Tensor) -> bool:
-    """Whether ``x``'s channels are its innermost dimension (strided NHWC, C > 1)."""
-    return x.shape[1] > 1 and x.stride(1) == 1
-
-
 def prequantize(x, qdtype, inv_scale, zero_point, wrap=None):
     """Quantize ``x`` once in its own pass: a kxk conv (or a depthwise one) would otherwise
     quantize each input element k*k times in its prologue; int8/fp8 values are identical.
@@ -343,7 +338,7 @@ def qconv2d(
                 f"qconv2d: config={config} for the stem kernel; pass a StemConfig (or "
                 f"stem_path='flat' / 'im2col' to run a ConvConfig on another stem path)."
             )
-        config = config or pick_stem_config(_channels_last(x), c_out)
+        config = config or pick_stem_config(c_out)
         if prequantize_input is None:
             prequantize_input = config.prequantize
     elif isinstance(config, StemConfig):

@@ -12,10 +12,14 @@ feeds ``tl.dot`` with the packed weight's contiguous K. No patch buffer: ``kerne
 and re-read 160 bytes per output pixel (64 MB at batch 32) where this reads only the input, which
 the 49 taps re-read from L1/L2.
 
-The gather is the kernel's cost (the GEMM is ~8 GFLOP): ``StemConfig.pixel_lanes`` decides which
-axis a warp's 32 lanes run along. On NCHW input neighbouring output pixels of one tap read
-addresses SW elements apart (a warp's load touches one or two 128-byte lines); on channels-last
-input one kernel row's KW*C values are contiguous, so lanes along K coalesce instead.
+The gather is the kernel's cost (the GEMM is ~8 GFLOP), issue-bound rather than bandwidth-bound:
+every A element costs a load, a mask, an address and (float input) a quantization.
+``StemConfig.pixel_lanes`` puts a warp's 32 lanes on neighbouring output pixels, each lane
+holding all BLOCK_K columns of its pixel: with the K loop unrolled, a column's (kh, kw, c) are
+compile-time constants, the bounds checks reduce to KH + KW compares per pixel, and a warp's
+load spans SW elements per lane (NCHW: one or two 128-byte lines; channels-last: SW*C elements
+per lane, three or four). Lanes along K recompute the pixel terms per element; compiled for
+sm_90 at 128x64x32 that variant needs 255 registers and spills (ptxas), pixel lanes do not.
 """
 
 from __future__ import annotations
@@ -65,27 +69,30 @@ class StemConfig:
             )
 
 
-def stem_candidates(channels_last: bool, c_out: int) -> list[StemConfig]:
+def stem_candidates(c_out: int) -> list[StemConfig]:
     """Schedules worth timing for a stem, best guess first (``pick_stem_config`` takes the
-    first; ``bench/stem_ab.py`` times them all). Reasoning, not yet measurements: K = 147 pads
-    to 160 with 32-wide K steps (192 with 64), and a 128-pixel tile keeps the per-pixel address
-    state at one register set per lane when lanes run along pixels (4 warps x 32 lanes)."""
-    block_n = max(16, min(triton.next_power_of_2(c_out), 64))
-    lanes = not channels_last
+    first; ``bench/stem_ab.py`` times them all). Not yet ranked by a measurement; the reasons:
+    32-wide K steps pad K = 147 to 160 (64-wide: 192, 30% more gathered elements); one pixel
+    per lane (128 pixels, 4 warps) needs no spill where 256 pixels on 4 warps do; 8 warps or
+    64 pixels halve the registers (ptxas: 139 and 168 against 254) for more resident warps; a
+    separate quantization pass (``prequantize``) takes the float work out of the gather, which
+    repeats it for each of the ~KH*KW/(SH*SW) patches an input element is in. One stage: the
+    unrolled K loop has nothing for the pipeliner, resident programs overlap instead."""
+    n = max(16, min(triton.next_power_of_2(c_out), 64))
     return [
-        StemConfig(128, block_n, 32, 4, 2, lanes, False),
-        StemConfig(128, block_n, 32, 4, 2, lanes, True),
-        StemConfig(256, block_n, 32, 8, 2, lanes, False),
-        StemConfig(128, block_n, 32, 4, 2, not lanes, False),
-        StemConfig(64, block_n, 32, 4, 2, lanes, False),
-        StemConfig(128, block_n, 64, 4, 2, lanes, False),
+        StemConfig(128, n, 32, 4, 1, True, False),
+        StemConfig(128, n, 32, 4, 1, True, True),
+        StemConfig(128, n, 32, 8, 1, True, False),
+        StemConfig(64, n, 32, 4, 1, True, False),
+        StemConfig(256, n, 32, 8, 1, True, False),
+        StemConfig(128, n, 32, 4, 1, False, False),
     ]
 
 
-def pick_stem_config(channels_last: bool, c_out: int) -> StemConfig:
+def pick_stem_config(c_out: int) -> StemConfig:
     if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
-        return StemConfig(32, 16 if c_out <= 16 else 32, 32, 4, 1, not channels_last, False)
-    return stem_candidates(channels_last, c_out)[0]
+        return StemConfig(32, 16 if c_out <= 16 else 32, 32, 4, 1, True, False)
+    return stem_candidates(c_out)[0]
 
 
 @triton.jit
