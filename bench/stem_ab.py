@@ -101,8 +101,8 @@ def run_case(batch, hw, c_out, qname, qdtype, channels_last, device, tiny) -> li
     variants = [("old", dict(stem_path="im2col"), None), ("flat", dict(stem_path="flat"), None)]
     candidates = stem.stem_candidates(c_out)
     if tiny:  # the interpreter: its smallest tiles, each knob once
-        candidates = [stem.StemConfig(32, 32, 32, 4, 1, lanes, pq)
-                      for lanes in (True, False) for pq in (False, True)]
+        candidates = [stem.StemConfig(32, 32, 32, 4, 1, kmajor, pq)
+                      for kmajor in (True, False) for pq in (False, True)]
     variants += [(f"stem[{i}]", dict(config=c), c) for i, c in enumerate(candidates)]
     rows = []
     for impl, kw, cfg in variants:
@@ -147,7 +147,7 @@ def print_table(rows: list[dict]) -> None:
         cfg = r.get("config")
         note = "" if not cfg else (f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} "
                                    f"w{cfg['num_warps']} s{cfg['num_stages']} "
-                                   f"{'pix' if cfg['pixel_lanes'] else 'k'}-lanes "
+                                   f"{'kmajor' if cfg['kmajor'] else 'a-op'} "
                                    f"{'prequant' if cfg['prequantize'] else 'in-reg'}")
         print(f"{r['batch']:>5} {r['layout']:>6} {r['dtype']:>5} {r['impl']:>10} {us:8.1f} "
               f"{r['GB/s']:7.0f} {x_old:6.2f} {x_cu:7.2f}  {note}")

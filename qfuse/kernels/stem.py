@@ -13,13 +13,21 @@ and re-read 160 bytes per output pixel (64 MB at batch 32) where this reads only
 the 49 taps re-read from L1/L2.
 
 The gather is the kernel's cost (the GEMM is ~8 GFLOP), issue-bound rather than bandwidth-bound:
-every A element costs a load, a mask, an address and (float input) a quantization.
-``StemConfig.pixel_lanes`` puts a warp's 32 lanes on neighbouring output pixels, each lane
-holding all BLOCK_K columns of its pixel: with the K loop unrolled, a column's (kh, kw, c) are
-compile-time constants, the bounds checks reduce to KH + KW compares per pixel, and a warp's
-load spans SW elements per lane (NCHW: one or two 128-byte lines; channels-last: SW*C elements
-per lane, three or four). Lanes along K recompute the pixel terms per element; compiled for
-sm_90 at 128x64x32 that variant needs 255 registers and spills (ptxas), pixel lanes do not.
+every A element costs a load, a mask, an address and (float input) a quantization. It is
+cheapest with a warp's 32 lanes on neighbouring output pixels, each lane holding all BLOCK_K
+columns of its pixel: with the K loop unrolled, a column's (kh, kw, c) are compile-time
+constants, the bounds checks reduce to KH + KW compares per pixel, and a warp's load spans SW
+elements per lane (NCHW: one or two 128-byte lines; channels-last: SW*C, three or four). With
+lanes along K the pixel terms are recomputed per element: compiled for sm_90 (7x7x3, 128x64x32
+tiles, bf16 in, int8 out), ~47-49 SASS instructions per gathered element and ~120 spilled
+registers per lane against ~30 and none.
+
+Which axis the lanes take is Triton's choice (its coalescing pass, with no contiguity along
+either axis of the gathered addresses): the first axis of the tile on Triton 3.6, the last on
+3.7 (sm_90 TTGIR of this kernel under both). ``StemConfig.kmajor`` sets the orientation the
+tile is built in, [BLOCK_K, BLOCK_M] (fed to the dot as its K-major B operand, out^T = W @
+patches^T) or [BLOCK_M, BLOCK_K] (the A operand), and ``PIXEL_FAST_KMAJOR`` is the orientation
+that puts the lanes on pixels under the installed Triton.
 """
 
 from __future__ import annotations
@@ -37,26 +45,32 @@ from qfuse.kernels.epilogue import conv_epilogue
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
+PIXEL_FAST_KMAJOR = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
 @dataclass(frozen=True)
 class StemConfig:
     """A schedule of ``_stem_kernel``: tile sizes, warps and pipeline depth as in
-    ``ConvConfig``, plus ``pixel_lanes`` (the gather's lanes run along output pixels, not
-    along K: see the module docstring) and ``prequantize`` (quantize a float input in its own
+    ``ConvConfig``, plus ``kmajor`` (the gathered tile's orientation, which decides whether
+    the compiler puts its lanes on pixels or on K: see the module docstring), ``prequantize``
+    (quantize a float input in its own
     pass first and gather bytes, instead of quantizing each gathered element in registers;
-    each input element feeds ~KH*KW/(SH*SW) patches, 12 for the 7x7 stride-2 stem)."""
+    each input element feeds ~KH*KW/(SH*SW) patches, 12 for the 7x7 stride-2 stem).
+    ``maxnreg``: a register cap for ptxas (more resident programs; it spills if set too low)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    pixel_lanes: bool
+    kmajor: bool
     prequantize: bool
     fp8_promote: int = 0
+    maxnreg: int | None = None
 
     def __post_init__(self):
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise UnsupportedError(f"StemConfig: maxnreg={self.maxnreg}; use 24..255 or None.")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -71,27 +85,30 @@ class StemConfig:
 
 def stem_candidates(c_out: int) -> list[StemConfig]:
     """Schedules worth timing for a stem, best guess first (``pick_stem_config`` takes the
-    first; ``bench/stem_ab.py`` times them all). Not yet ranked by a measurement; the reasons:
-    32-wide K steps pad K = 147 to 160 (64-wide: 192, 30% more gathered elements); one pixel
-    per lane (128 pixels, 4 warps) needs no spill where 256 pixels on 4 warps do; 8 warps or
-    64 pixels halve the registers (ptxas: 139 and 168 against 254) for more resident warps; a
-    separate quantization pass (``prequantize``) takes the float work out of the gather, which
-    repeats it for each of the ~KH*KW/(SH*SW) patches an input element is in. One stage: the
-    unrolled K loop has nothing for the pipeliner, resident programs overlap instead."""
+    first; ``bench/stem_ab.py`` times them all). Not yet ranked by a measurement; the reasons,
+    from the sm_90 SASS of the 7x7x3 stem under Triton 3.6 and 3.7 (registers per lane,
+    instructions per gathered element, epilogue included), lanes on pixels: 32-wide K steps
+    pad K = 147 to 160 (64-wide: 192 and spills); 128x64 on 4 warps: 255 registers, ~30
+    instructions per element quantizing in registers, ~21 gathering a separately quantized
+    input (``prequantize``: its own pass reads the input and writes a byte per element once),
+    which also fits 168 registers unspilled (3 programs per SM instead of 2); 256 pixels on 8
+    warps ~29-30; 64 pixels, or 8 warps on 128, spread each lane's overhead over half the
+    elements (~46-50). Last, the other orientation (lanes on K), as the bench's evidence. One
+    stage: the unrolled K loop has nothing to pipeline; resident programs overlap instead."""
     n = max(16, min(triton.next_power_of_2(c_out), 64))
+    fast = PIXEL_FAST_KMAJOR
     return [
-        StemConfig(128, n, 32, 4, 1, True, False),
-        StemConfig(128, n, 32, 4, 1, True, True),
-        StemConfig(128, n, 32, 8, 1, True, False),
-        StemConfig(64, n, 32, 4, 1, True, False),
-        StemConfig(256, n, 32, 8, 1, True, False),
-        StemConfig(128, n, 32, 4, 1, False, False),
+        StemConfig(128, n, 32, 4, 1, fast, False),
+        StemConfig(128, n, 32, 4, 1, fast, True),
+        StemConfig(128, n, 32, 4, 1, fast, True, maxnreg=168),
+        StemConfig(256, n, 32, 8, 1, fast, False),
+        StemConfig(128, n, 32, 4, 1, not fast, False),
     ]
 
 
 def pick_stem_config(c_out: int) -> StemConfig:
     if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
-        return StemConfig(32, 16 if c_out <= 16 else 32, 32, 4, 1, True, False)
+        return StemConfig(32, 16 if c_out <= 16 else 32, 32, 4, 1, PIXEL_FAST_KMAJOR, False)
     return stem_candidates(c_out)[0]
 
 
@@ -101,18 +118,20 @@ def _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
                 C: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, DH: tl.constexpr,
                 DW: tl.constexpr, FP8: tl.constexpr, X_QUANTIZED: tl.constexpr,
                 HAS_X_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr,
-                PIXEL_LANES: tl.constexpr):
-    """The quantized A tile [BLOCK_M, BLOCK_K] of K columns k0..k0+BLOCK_K; padding taps are
-    the quantized zero (the zero point), columns past K anything (their weights load as 0).
-    ``PIXEL_LANES`` builds it as [BLOCK_K, BLOCK_M] (the pixel axis fastest, so a warp's lanes
-    take neighbouring pixels) and transposes it for the dot."""
+                KMAJOR: tl.constexpr):
+    """The quantized patch tile of K columns k0..k0+BLOCK_K: padding taps are the quantized
+    zero (the zero point), columns past K anything (their weights load as 0). [BLOCK_M,
+    BLOCK_K], or with ``KMAJOR`` [BLOCK_K, BLOCK_M], which the kernel feeds to the dot as its
+    B operand: 8-bit wgmma operands are K-major in shared memory, so with lanes on pixels
+    each lane's BLOCK_K bytes store as one run (sm_90 SASS: 16-byte shared stores), where
+    transposing the tile into the A operand went through shared memory twice, byte by byte."""
     k = k0 + tl.arange(0, BLOCK_K)
     c = k % C
     tap = k // C
     dh = (tap // KW) * DH
     dw = (tap % KW) * DW
     col_off = dh * sxh + dw * sxw + c * sxc
-    if PIXEL_LANES:
+    if KMAJOR:
         ih = ih0[None, :] + dh[:, None]
         iw = iw0[None, :] + dw[:, None]
         offs = pix_off[None, :] + col_off[:, None]
@@ -134,9 +153,16 @@ def _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
             a = quantize_fp8(a, x_inv_scale, EXACT)
         else:
             a = quantize_int8(a, x_inv_scale, x_zp)
-    if PIXEL_LANES:
-        a = tl.trans(a)
     return a
+
+
+@triton.jit
+def _mma(a, b, acc, FP8_PROMOTE: tl.constexpr):
+    """``acc + a @ b``; ``FP8_PROMOTE`` as ``ConvConfig.fp8_promote`` (fp8 operands only)."""
+    if FP8_PROMOTE > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, out_dtype=acc.dtype)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -158,7 +184,7 @@ def _stem_kernel(
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     # schedule
     LARGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PIXEL_LANES: tl.constexpr, FP8_PROMOTE: tl.constexpr,
+    KMAJOR: tl.constexpr, FP8_PROMOTE: tl.constexpr,
 ):
     """``out`` [M, C_OUT] rows (channels-last) from ``x`` [N, C, H, W] (any strides) and the
     weight [C_OUT, K], K = (kh, kw, c). ``LARGE``: input offsets past int32 (int64 math)."""
@@ -186,23 +212,26 @@ def _stem_kernel(
         x_zp = tl.load(x_zp_ptr).to(tl.float32)
 
     K: tl.constexpr = KH * KW * C
-    w_cols = w_ptr + offs_n[None, :] * swo
-    if FP8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_type = tl.float32 if FP8 else tl.int32
+    if KMAJOR:  # out^T = W @ patches^T (see _patch_tile)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
     # K is a handful of steps (5 of 32 for 7x7x3): unrolled, each step's (kh, kw, c) columns
     # are compile-time constants and only the pixel terms are computed per element.
     for k0 in tl.static_range(0, K, BLOCK_K):
         a = _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
                         x_inv_scale, x_zp, x_zp_q, C, KW, K, DH, DW, FP8, X_QUANTIZED,
-                        HAS_X_ZP, EXACT, BLOCK_K, PIXEL_LANES)
+                        HAS_X_ZP, EXACT, BLOCK_K, KMAJOR)
         k = k0 + tl.arange(0, BLOCK_K)
-        b = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & mask_n[None, :], other=0.0)
-        if FP8 and FP8_PROMOTE > 0:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
+        w_mask = (k < K)[None, :] & mask_n[:, None]
+        w = tl.load(w_ptr + offs_n[:, None] * swo + k[None, :], mask=w_mask, other=0.0)
+        if KMAJOR:
+            acc = _mma(w, a, acc, FP8_PROMOTE)
         else:
-            acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
+            acc = _mma(a, tl.trans(w), acc, FP8_PROMOTE)
+    if KMAJOR:
+        acc = tl.trans(acc)
 
     conv_epilogue(
         acc, offs_m, offs_n, mask_m, mask_n,
@@ -242,7 +271,8 @@ def stem_conv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, operands
         sx[0], sx[2], sx[3], sx[1], w2.stride(0), c_out, c_out,
         C=c, **flags,
         LARGE=span >= 2**31, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PIXEL_LANES=cfg.pixel_lanes, FP8_PROMOTE=cfg.fp8_promote if flags["FP8"] else 0,
+        KMAJOR=cfg.kmajor, FP8_PROMOTE=cfg.fp8_promote if flags["FP8"] else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out
