@@ -33,7 +33,7 @@ that puts the lanes on pixels under the installed Triton.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -88,18 +88,19 @@ def stem_candidates(c_out: int) -> list[StemConfig]:
     first; ``bench/stem_ab.py`` times them all). Not yet ranked by a measurement; the reasons,
     from the sm_90 SASS of the 7x7x3 stem under Triton 3.6 and 3.7 (registers per lane,
     instructions per gathered element, epilogue included), lanes on pixels: 32-wide K steps
-    pad K = 147 to 160 (64-wide: 192 and spills); 128x64 on 4 warps: 255 registers, ~30
-    instructions per element quantizing in registers, ~21 gathering a separately quantized
-    input (``prequantize``: its own pass reads the input and writes a byte per element once),
-    which also fits 168 registers unspilled (3 programs per SM instead of 2); 256 pixels on 8
-    warps ~29-30; 64 pixels, or 8 warps on 128, spread each lane's overhead over half the
-    elements (~46-50). Last, the other orientation (lanes on K), as the bench's evidence. One
-    stage: the unrolled K loop has nothing to pipeline; resident programs overlap instead."""
+    pad K = 147 to 160 (64-wide: 192 and spills); 128x64 on 4 warps: ~21 instructions per
+    element gathering a separately quantized input (``prequantize``: its own pass reads the
+    input and writes a byte per element, once, where quantizing in registers repeats it in
+    each of the ~12 patches an element is in) against ~30 in registers; that variant also
+    fits 168 registers unspilled (3 programs per SM instead of 2); 256 pixels on 8 warps
+    ~29-30; 64 pixels, or 8 warps on 128, spread each lane's overhead over half the elements
+    (~46-50). Last, the other orientation (lanes on K), as the bench's evidence. One stage:
+    the unrolled K loop has nothing to pipeline; resident programs overlap instead."""
     n = max(16, min(triton.next_power_of_2(c_out), 64))
     fast = PIXEL_FAST_KMAJOR
     return [
-        StemConfig(128, n, 32, 4, 1, fast, False),
         StemConfig(128, n, 32, 4, 1, fast, True),
+        StemConfig(128, n, 32, 4, 1, fast, False),
         StemConfig(128, n, 32, 4, 1, fast, True, maxnreg=168),
         StemConfig(256, n, 32, 8, 1, fast, False),
         StemConfig(128, n, 32, 4, 1, not fast, False),
@@ -107,9 +108,10 @@ def stem_candidates(c_out: int) -> list[StemConfig]:
 
 
 def pick_stem_config(c_out: int) -> StemConfig:
+    best = stem_candidates(c_out)[0]
     if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
-        return StemConfig(32, 16 if c_out <= 16 else 32, 32, 4, 1, PIXEL_FAST_KMAJOR, False)
-    return stem_candidates(c_out)[0]
+        return replace(best, block_m=32, block_n=min(best.block_n, 32), num_warps=4, maxnreg=None)
+    return best
 
 
 @triton.jit

@@ -124,8 +124,8 @@ def test_gpu_resnet_stem_every_candidate(batch, scheme):
             check(args)
 
 
-# (input layout, weight, x) of the compiled variants: in-register quantization of a bf16
-# input and a prequantized byte gather; channels-last specializes the channel stride to 1
+# (input layout, weight, x) compiled with the first candidate's tiles: in-register quantization
+# of a bf16 input and a prequantized byte gather; channels-last specializes the channel stride
 SM90 = [(False, "*i8", "*bf16"), (False, "*fp8e4nv", "*bf16"), (True, "*i8", "*i8")]
 
 
