@@ -1,20 +1,22 @@
 """A/B of the ResNet stem conv (7x7 stride 2 pad 3, 3 -> 64 channels, ReLU, int8/fp8 out).
 
-    PYTHONPATH=. python3 bench/stem_ab.py --out $OUT/stem_ab_h200.json      (GPU, ~1 min)
+    PYTHONPATH=. python3 bench/stem_ab.py --out $OUT/stem_ab_h200.json      (GPU, 2-4 min)
     PYTHONPATH=. python3 bench/stem_ab.py --tiny                            (CPU smoke test)
 
 Per batch (32, 1), input layout (channels-last as ``conv_networks.py`` feeds the models, and
 NCHW) and output dtype, from a bf16 input:
 - "old": the patch-buffer path (``stem_path="im2col"``: the input quantized in its own pass,
   ``_im2col_kernel`` writing the [N*112*112, 160] buffer, the 1x1 ``_qconv_kernel`` over it),
-  what qfuse ran before the stem kernel, with its per-kernel split;
+  what qfuse ran before the stem kernel;
 - "flat": the implicit GEMM's flat-K loop (``stem_path="flat"``), the other existing path;
 - "stem[i]": each schedule of ``stem.stem_candidates`` (index 0 is what ``qconv2d`` picks);
 - "cudnn_bf16": ``F.conv2d`` in bf16 channels-last with its bias, then ReLU (what bf16 users run).
-Each qfuse variant is checked before it is timed: int8 against "old" bit for bit, fp8 within
-one quantization step on < 5% of the outputs. Times are GPU time from CUDA-graph replays
-(``tuning.device_time_ms``: 8 calls a graph, median of 9 replays, L2 not flushed); ``GB/s``
-counts the bf16 input read once and the output written once, the least any stem must move.
+Each qfuse variant is checked before it is timed: int8 against "old" bit for bit; fp8 outputs
+differing on < 5%, by more than one quantization step on <= 0.1%. Times are GPU time from
+CUDA-graph replays (``tuning.device_time_ms``: 8 calls a graph, median of 9 replays, L2 not
+flushed); each qfuse row also carries its per-kernel split (``kernels``, torch.profiler, no
+graph); ``GB/s`` counts the bf16 input read once and the output written once, the least any
+stem must move. cuDNN gets the channels-last input in both rows (its fast layout).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def make_args(batch: int, hw: int, c_out: int, qdtype, channels_last: bool, devi
         out_zero_point=None, act="relu", out_dtype=qdtype, stride=[2, 2], padding=[3, 3],
         dilation=[1, 1], groups=1,
     )
-    cudnn = dict(x=x, w=wf.to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last),
+    cudnn = dict(x=x.contiguous(memory_format=torch.channels_last),  # cuDNN's fast layout
+                 w=wf.to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last),
                  b=bias.to(device, torch.bfloat16))
     return args, cudnn
 
@@ -69,12 +72,13 @@ def agrees(out: torch.Tensor, old: torch.Tensor, qdtype) -> tuple[bool, str]:
     if qdtype == torch.int8:
         diff = (out.float() - old.float()).abs().max().item()
         return diff == 0, f"max |int8 diff| {diff:g}"
-    # fp8 outputs of two summation orders: a differing output sits on a rounding boundary
+    # fp8 outputs of two summation orders (and wgmma's reduced-precision accumulation over
+    # different K chunks): a differing output sits on a rounding boundary
     o, r = out.float(), old.float()
-    step = r.abs().clamp(min=2.0**-6) * 2.0**-3  # one e4m3 step (3 mantissa bits)
+    step = r.abs().clamp(min=2.0**-6) * 2.0**-3  # at least one e4m3 step (3 mantissa bits)
     far = ((o - r).abs() > step * 1.01).float().mean().item()
     differ = (o != r).float().mean().item()
-    return far == 0 and differ < 0.05, f"differ {differ:.4f}, > 1 step {far:.4f}"
+    return far <= 1e-3 and differ < 0.05, f"differ {differ:.4f}, > 1 step {far:.5f}"
 
 
 def timed(fn, tiny: bool) -> float | None:
@@ -85,9 +89,12 @@ def timed(fn, tiny: bool) -> float | None:
     return device_time_ms(fn) * 1e3
 
 
-def kernel_split(fn) -> list[list]:
-    """Per-kernel GPU us of one call (torch.profiler), for the multi-kernel paths."""
-    return [[name[:40], round(us, 1)] for name, us in H.cuda_kernels(fn, calls=4)[:3]]
+def kernel_split(fn, calls: int = 4) -> dict[str, float]:
+    """GPU us per call of each kernel ``fn`` launches (torch.profiler, no graph)."""
+    split: dict[str, float] = {}
+    for name, us in H.cuda_kernels(fn, calls=calls):
+        split[name[:40]] = split.get(name[:40], 0.0) + us / calls
+    return {k: round(v, 1) for k, v in split.items()}
 
 
 def run_case(batch, hw, c_out, qname, qdtype, channels_last, device, tiny) -> list[dict]:
@@ -117,7 +124,7 @@ def run_case(batch, hw, c_out, qname, qdtype, channels_last, device, tiny) -> li
                 row["error"] = f"wrong result: {note}"
             else:
                 row["us"] = timed(fn, tiny)
-                if not tiny and impl in ("old", "flat"):
+                if not tiny:
                     row["kernels"] = kernel_split(fn)
         except Exception as exc:  # noqa: BLE001 — a schedule that fails to compile is a result
             row["error"] = H.error_text(exc)
