@@ -108,13 +108,13 @@ def test_candidates():
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("batch", [1, 32])
 def test_gpu_resnet_stem_every_candidate(batch, scheme):
-    """The ResNet stem at full size: every candidate schedule, NCHW and channels-last input,
-    equals the patch-buffer path (int8) or agrees within fp8's bound; batch 1 also against
-    the CPU reference."""
+    """The ResNet stem at full size: every candidate schedule on channels-last input (as the
+    converted models run) and the default on NCHW input equal the patch-buffer path (int8) or
+    agree within fp8's bound; batch 1 also against the CPU reference."""
     for channels_last in (False, True):
         args = case("resnet-7x7-s2", scheme, channels_last, n=batch, c_out=64, hw=(224, 224))
         old = conv.qconv2d(**args, stem_path="im2col")
-        for cfg in stem_candidates(64):
+        for cfg in stem_candidates(64) if channels_last else stem_candidates(64)[:1]:
             out = conv.qconv2d(**args, config=cfg)
             if args["weight"].dtype == torch.int8:
                 assert torch.equal(out, old), cfg
