@@ -115,7 +115,7 @@ def pick_stem_config(c_out: int) -> StemConfig:
 
 
 @triton.jit
-def _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
+def _patch_tile(x_pix, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
                 x_inv_scale, x_zp, x_zp_q,
                 C: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, DH: tl.constexpr,
                 DW: tl.constexpr, FP8: tl.constexpr, X_QUANTIZED: tl.constexpr,
@@ -136,21 +136,21 @@ def _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
     if KMAJOR:
         ih = ih0[None, :] + dh[:, None]
         iw = iw0[None, :] + dw[:, None]
-        offs = pix_off[None, :] + col_off[:, None]
+        ptrs = x_pix[None, :] + col_off[:, None]
         mask = mask_m[None, :] & (k < K)[:, None]
     else:
         ih = ih0[:, None] + dh[None, :]
         iw = iw0[:, None] + dw[None, :]
-        offs = pix_off[:, None] + col_off[None, :]
+        ptrs = x_pix[:, None] + col_off[None, :]
         mask = mask_m[:, None] & (k < K)[None, :]
     # one unsigned compare per bound pair: a negative index wraps past H (W)
     mask = mask & (ih.to(tl.uint32) < H) & (iw.to(tl.uint32) < W)
     if X_QUANTIZED:
-        a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        a = tl.load(ptrs, mask=mask, other=0.0)
         if HAS_X_ZP:
             a = tl.where(mask, a, x_zp_q)
     else:  # quantize(0.0) is the zero point: padding needs no special case
-        a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         if FP8:
             a = quantize_fp8(a, x_inv_scale, EXACT)
         else:
@@ -200,9 +200,9 @@ def _stem_kernel(
     ih0 = oh * SH - PH
     iw0 = ow * SW - PW
     if LARGE:
-        pix_off = batch.to(tl.int64) * sxn + ih0 * sxh + iw0 * sxw
+        x_pix = x_ptr + (batch.to(tl.int64) * sxn + ih0 * sxh + iw0 * sxw)
     else:
-        pix_off = batch * sxn + ih0 * sxh + iw0 * sxw
+        x_pix = x_ptr + (batch * sxn + ih0 * sxh + iw0 * sxw)
 
     x_inv_scale = 1.0
     x_zp = 0.0
@@ -222,7 +222,7 @@ def _stem_kernel(
     # K is a handful of steps (5 of 32 for 7x7x3): unrolled, each step's (kh, kw, c) columns
     # are compile-time constants and only the pixel terms are computed per element.
     for k0 in tl.static_range(0, K, BLOCK_K):
-        a = _patch_tile(x_ptr, pix_off, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
+        a = _patch_tile(x_pix, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
                         x_inv_scale, x_zp, x_zp_q, C, KW, K, DH, DW, FP8, X_QUANTIZED,
                         HAS_X_ZP, EXACT, BLOCK_K, KMAJOR)
         k = k0 + tl.arange(0, BLOCK_K)
