@@ -7,7 +7,8 @@
 Each program owns BLOCK_M output pixels and BLOCK_N output channels; its K loop gathers the
 patch tile straight from the input (computed addresses, padding masked to the quantized zero),
 quantizes a float input in registers with ``common.quantize_int8``/``quantize_fp8`` (the
-functions the prologue and ``quantize`` use, so the int8 values equal the patch buffer's), and
+functions the prologue and ``quantize`` use, so the int8 values equal the patch buffer's) or
+reads one ``conv.prequantize`` quantized in its own pass (``StemConfig.prequantize``), and
 feeds ``tl.dot`` with the packed weight's contiguous K. No patch buffer: ``kernels.im2col`` wrote
 and re-read 160 bytes per output pixel (64 MB at batch 32) where this reads only the input, which
 the 49 taps re-read from L1/L2.
@@ -19,8 +20,8 @@ columns of its pixel: with the K loop unrolled, a column's (kh, kw, c) are compi
 constants, the bounds checks reduce to KH + KW compares per pixel, and a warp's load spans SW
 elements per lane (NCHW: one or two 128-byte lines; channels-last: SW*C, three or four). With
 lanes along K the pixel terms are recomputed per element: compiled for sm_90 (7x7x3, 128x64x32
-tiles, bf16 in, int8 out), ~47-49 SASS instructions per gathered element and ~120 spilled
-registers per lane against ~30 and none.
+tiles, bf16 in, int8 out), ~46-49 SASS instructions per gathered element and 120-170 spill
+stores per lane against ~30 and at most four.
 
 Which axis the lanes take is Triton's choice (its coalescing pass, with no contiguity along
 either axis of the gathered addresses): the first axis of the tile on Triton 3.6, the last on
@@ -53,10 +54,10 @@ class StemConfig:
     """A schedule of ``_stem_kernel``: tile sizes, warps and pipeline depth as in
     ``ConvConfig``, plus ``kmajor`` (the gathered tile's orientation, which decides whether
     the compiler puts its lanes on pixels or on K: see the module docstring), ``prequantize``
-    (quantize a float input in its own
-    pass first and gather bytes, instead of quantizing each gathered element in registers;
-    each input element feeds ~KH*KW/(SH*SW) patches, 12 for the 7x7 stride-2 stem).
-    ``maxnreg``: a register cap for ptxas (more resident programs; it spills if set too low)."""
+    (quantize a float input in its own pass first and gather bytes, instead of quantizing
+    each gathered element in registers; each input element is in ~KH*KW/(SH*SW) patches, 12
+    for the 7x7 stride-2 stem) and ``maxnreg`` (a register cap for ptxas: more resident
+    programs; it spills if set too low)."""
 
     block_m: int
     block_n: int
