@@ -76,7 +76,8 @@ def main(quick: bool, budget_s: float = 1e9, dtypes=(torch.int8, FP8)) -> None:
                     [1, 1], g)
             ref = reference.qconv2d(*args).cpu()
             best, times = None, []
-            paths = [dict(use_im2col=True), dict(use_im2col=False)] if ci < 16 and g == 1 else [{}]
+            stem = ci < 16 and g == 1  # the GEMM schedules run on the two ConvConfig stem paths
+            paths = [dict(stem_path="im2col"), dict(stem_path="flat")] if stem else [{}]
             for cfg, path in [(c, p) for p in paths for c in (DW if g == ci and g > 1 else GEMM)]:
                 try:
                     out = conv.qconv2d(*args, config=cfg, **path)

@@ -13,7 +13,8 @@ zero point reads the zero point, so ``acc - zp * colsum(W)`` gives the reference
 K is contiguous for the small-channel stem path (``FLAT_K``), where one K block spans several taps.
 
 Depthwise convolutions (one input channel per group) run a direct kernel instead
-(``kernels.depthwise``), which ``qconv2d`` dispatches to. Both kernels end in
+(``kernels.depthwise``), and stems (few input channels) a gather kernel whose K loop spans all
+taps (``kernels.stem``); ``qconv2d`` chooses (``conv_path``). All kernels end in
 ``epilogue.conv_epilogue``, which repeats ``ops.reference.epilogue`` operation by operation
 (IEEE-exact ops only, ``enable_fp_fusion=False``), so int8 outputs are bit-identical to the
 reference.
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     ConvConfig,
@@ -39,6 +41,7 @@ from qfuse.kernels.depthwise import dwconv
 from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code
 from qfuse.kernels.im2col import im2col
 from qfuse.kernels.layout import empty_nhwc
+from qfuse.kernels.stem import StemConfig, pick_stem_config, stem_conv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
@@ -234,6 +237,33 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous(memory_format=torch.channels_last)
 
 
+# Ways to run a conv with groups == 1 over few input channels (a stem): "gather" (the stem
+# kernel, gathering patches in its K loop), "im2col" (a patch buffer, then a 1x1 GEMM over it)
+# and "flat" (the implicit GEMM's flat-K loop). Same numbers: int8 bit-identical.
+STEM_PATHS = ("gather", "im2col", "flat")
+
+
+def conv_path(groups: int, c_in: int, c_out: int, cg_in: int, kh: int, kw: int,
+              stem_path: str | None) -> str:
+    """The kernel a conv runs on: "depthwise", "implicit" (``_qconv_kernel``), or one of
+    ``STEM_PATHS``. A kxk conv with fewer than 16 input channels and one group is a stem: its
+    implicit GEMM would gather one or two bytes per A element and per tap over channel tiles
+    mostly empty, so it runs on the stem kernel (``kernels.stem``); ``stem_path`` overrides
+    for any conv with one group."""
+    if stem_path is not None:
+        if stem_path not in STEM_PATHS or groups != 1:
+            raise UnsupportedError(
+                f"qconv2d: stem_path={stem_path!r} for a conv with groups={groups}; use one of "
+                f"{STEM_PATHS} with groups=1, or None to let the shape decide."
+            )
+        return stem_path
+    if groups == c_in and groups == c_out and cg_in == 1:
+        return "depthwise"
+    if groups == 1 and kh * kw > 1 and cg_in < 16:
+        return "gather"
+    return "implicit"
+
+
 def output_size(h, w, kernel, stride, padding, dilation) -> tuple[int, int]:
     oh = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
@@ -257,10 +287,10 @@ def qconv2d(
     dilation: list[int],
     groups: int,
     post_act: str = "none",
-    config: ConvConfig | None = None,
+    config: ConvConfig | StemConfig | None = None,
     launcher=None,
     prequantize_input: bool | None = None,
-    use_im2col: bool | None = None,
+    stem_path: str | None = None,
     residual_scale: torch.Tensor | None = None,
     residual_zero_point: torch.Tensor | None = None,
     fp8_promote: int | None = None,
@@ -271,8 +301,10 @@ def qconv2d(
     ``launcher`` wraps each kernel before its launch (``torch.library.wrap_triton`` in the op).
     A float input is quantized in the GEMM's prologue (1x1 convs) or, where each element feeds
     several taps, once in a separate pass (``prequantize_input`` overrides: same numbers).
-    A kxk conv with fewer than 16 input channels per group (a stem) runs as a 1x1 GEMM over a
-    quantized patch buffer (``im2col``; ``use_im2col`` overrides: same numbers).
+    A kxk conv with fewer than 16 input channels and one group (a stem) runs on the stem
+    kernel (``kernels.stem``; ``config`` then a ``StemConfig``, whose ``prequantize`` is the
+    default for ``prequantize_input``); ``stem_path`` picks among ``STEM_PATHS`` (same
+    numbers; see ``conv_path``).
     ``fp8_promote`` overrides the schedule's ``ConvConfig.fp8_promote`` (fp8 accumulation
     precision; capped at the tile's ``block_k``, since every ``tl.dot`` ends with a promotion).
 
@@ -297,9 +329,23 @@ def qconv2d(
         return out
     fp8 = weight.dtype == FP8
     x_quantized = x.dtype in (torch.int8, FP8)
-    depthwise = groups == c_in and groups == c_out and cg_in == 1
-    if use_im2col is None:
-        use_im2col = groups == 1 and kh * kw > 1 and cg_in < 16
+    path = conv_path(groups, c_in, c_out, cg_in, kh, kw, stem_path)
+    depthwise = path == "depthwise"
+    use_im2col = path == "im2col"
+    if path == "gather":
+        if config is not None and not isinstance(config, StemConfig):
+            raise UnsupportedError(
+                f"qconv2d: config={config} for the stem kernel; pass a StemConfig (or "
+                f"stem_path='flat' / 'im2col' to run a ConvConfig on another stem path)."
+            )
+        config = config or pick_stem_config(c_out)
+        if prequantize_input is None:
+            prequantize_input = config.prequantize
+    elif isinstance(config, StemConfig):
+        raise UnsupportedError(
+            f"qconv2d: a StemConfig for a conv that runs on the {path!r} path; pass a "
+            "ConvConfig, or stem_path='gather'."
+        )
     if prequantize_input is None:
         prequantize_input = kh * kw > 1 or depthwise  # the patch buffer then copies bytes
     if not x_quantized and x.numel() and prequantize_input:
@@ -327,16 +373,23 @@ def qconv2d(
                     opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
                     opt(out_zero_point))
         return dwconv(x, weight, out, operands, flags, config, launch)
-    sx = x.stride()
-    sw = weight.stride()
-    cg_out = c_out // groups
     wsum = dummy
     if x_zero_point is not None:
         wsum = weight.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
+    if path == "gather":
+        operands = (scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
+                    opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
+                    opt(out_zero_point))
+        if fp8_promote is not None:
+            config = replace(config, fp8_promote=min(fp8_promote, config.block_k))
+        return stem_conv(x, weight, out, operands, flags, config, launch)
+    sx = x.stride()
+    sw = weight.stride()
+    cg_out = c_out // groups
     sizes = (M, h, w, oh, ow, cg_in, cg_out, cg_in)
     strides = (sx[0], sx[2], sx[3], sx[1], sw[0], sw[2], sw[3], sw[1])
     k_total = kh * kw * cg_in
-    if use_im2col and groups == 1:
+    if use_im2col:
         # A 1x1 GEMM over the patch buffer: one "pixel" per row, K = KP channels (the weight,
         # flattened (kh, kw, c) like the buffer, has K_W = KH*KW*C of them).
         x = im2col(x, weight.dtype, (kh, kw), stride, padding, dilation, oh, ow, x_inv_scale,

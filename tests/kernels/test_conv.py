@@ -166,15 +166,16 @@ def test_input_quantization_paths_agree(device, name, qdtype, prequantize):
     ids=["stem-7x7-s2", "1-channel-zp", "quantized-in-zp-dilated", "odd-size"],
 )
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("im2col", [True, False], ids=["im2col", "implicit"])
-def test_stem_paths_match_reference(device, spec, qdtype, im2col):
-    """Few input channels: the patch-buffer GEMM (default) and the implicit GEMM's flat-K path
-    both give the reference's numbers (zero point at padding taps and past K included)."""
+@pytest.mark.parametrize("stem_path", conv.STEM_PATHS)
+def test_stem_paths_match_reference(device, spec, qdtype, stem_path):
+    """Few input channels: the stem kernel (default), the patch-buffer GEMM and the implicit
+    GEMM's flat-K path all give the reference's numbers (zero point at padding taps and past K
+    included)."""
     spec = dict(spec)
     if qdtype == FP8:
         spec.pop("zp", None)  # fp8 is symmetric
     check(make_case(device, qdtype=qdtype, out_dtype=FP8 if qdtype == FP8 else torch.int8,
-                    act="relu", **spec), use_im2col=im2col)
+                    act="relu", **spec), stem_path=stem_path)
 
 
 @pytest.mark.parametrize("act", ["relu", "relu6", "hardswish", "gelu", "gelu_tanh", "silu"])
