@@ -2,16 +2,17 @@
 
     PYTHONPATH=. python bench/encoder_gemms.py [--out bench/results/encoder_gemms_h200.json]
 
-Whole-model profiles (bench_models.py) give the quantized GEMMs' total; this says, per shape,
-which schedule wins and by how much, so the candidate list in ``kernels/schedules.py`` is set from
+Whole-model profiles (bench_models.py) give the quantized GEMMs' total; this says, per shape, which
+schedule wins and by how much, so the candidate list in ``kernels/schedules.py`` is set from
 measurements. Each layer runs with the epilogue it has inside the converted model (``LAYERS``):
-Q/K/V merged reading the LayerNorm's int8/fp8, bf16 out; the attention output projection
-quantizing SDPA's bf16 output in its prologue, + residual; FFN up with GELU (fast epilogue)
-writing int8/fp8; FFN down + residual. Baselines in the same run: ``F.linear`` bf16 with bias,
-``torch._int_mm`` (int8 in, int32 out, no epilogue) and ``torch._scaled_mm`` (fp8 per-row, bf16
-out). Every time is GPU time (``tuning.device_time_ms``: CUDA-graph replays), because an eager
-launch of a Triton kernel costs more host time than these GEMMs take; every schedule's output is
-checked against the reference before it counts.
+Q/K/V merged reading the LayerNorm's int8/fp8, bf16 out; the attention output projection reading
+the int8/fp8 the fused attention kernel wrote (``fusion.attention_quant``; with ``--attn-out-
+float`` it quantizes a bf16 input itself, as before that fusion), + residual; FFN up with GELU
+(fast epilogue) writing int8/fp8; FFN down + residual. Baselines in the same run: ``F.linear`` bf16
+with bias, ``torch._int_mm`` (int8 in, int32 out, no epilogue) and ``torch._scaled_mm`` (fp8 per-
+row, bf16 out). Every time is GPU time (``tuning.device_time_ms``: CUDA-graph replays), because an
+eager launch of a Triton kernel costs more host time than these GEMMs take; every schedule's output
+is checked against the reference before it counts.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from qfuse.ops import reference  # noqa: E402
 # (layer, K, N as multiples of the hidden size d) and its variant in the fused model
 LAYERS = (
     ("qkv", 1, 3, dict(xq=True, act="none", residual=False, quantized_out=False)),
-    ("attn_out", 1, 1, dict(xq=False, act="none", residual=True, quantized_out=False)),
+    ("attn_out", 1, 1, dict(xq=True, act="none", residual=True, quantized_out=False)),
     ("ffn_up", 1, 4, dict(xq=True, act="gelu", residual=False, quantized_out=True)),
     ("ffn_down", 4, 1, dict(xq=True, act="none", residual=True, quantized_out=False)),
 )
@@ -138,6 +139,8 @@ def main():
     ap.add_argument("--models", default="minilm,bert-base")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--attn-out-float", action="store_true",
+                    help="attention out quantizes a bf16 input (the graph without the fusion)")
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = []
@@ -146,6 +149,8 @@ def main():
         d = HIDDEN[model]
         for M in map(int, a.M.split(",")):
             for layer, kd, nd, spec in LAYERS:
+                if layer == "attn_out" and a.attn_out_float:
+                    spec = dict(spec, xq=False)
                 for scheme in a.schemes.split(","):
                     v = variant(scheme, spec)
                     heavy = spec["act"] not in ("none", "relu")

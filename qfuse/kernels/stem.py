@@ -155,7 +155,7 @@ def _patch_tile(x_pix, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
         if FP8:
             a = quantize_fp8(a, x_inv_scale, EXACT)
         else:
-            a = quantize_int8(a, x_inv_scale, x_zp)
+            a = quantize_int8(a, x_inv_scale, x_zp, HAS_X_ZP)
     return a
 
 

@@ -38,7 +38,7 @@ def child_main() -> None:
     for dtype, out_code, mask, d, (bm, bn, warps, stages) in variants():
         outp = {0: f"*{dtype}", 1: "*i8", 2: "*fp8e4nv"}[out_code]
         ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}",
-                    mask_ptr="*u8" if mask == 1 else f"*{dtype}", inv_scale_ptr="*fp32",
+                    mask_ptr="*i1" if mask == 1 else f"*{dtype}", inv_scale_ptr="*fp32",
                     zp_ptr="*i32", out_ptr=outp)
         mant, emin = (7, -126) if dtype == "bf16" else (0, 0)
         constexprs = dict(QK_SCALE=0.125 * attention.LOG2E, MASK=mask, OUT=out_code,
