@@ -6,13 +6,13 @@ Whole-model profiles (bench_models.py) give the quantized GEMMs' total; this say
 schedule wins and by how much, so the candidate list in ``kernels/schedules.py`` is set from
 measurements. Each layer runs with the epilogue it has inside the converted model (``LAYERS``):
 Q/K/V merged reading the LayerNorm's int8/fp8, bf16 out; the attention output projection reading
-the int8/fp8 the fused attention kernel wrote (``fusion.attention_quant``; with ``--attn-out-
-float`` it quantizes a bf16 input itself, as before that fusion), + residual; FFN up with GELU
-(fast epilogue) writing int8/fp8; FFN down + residual. Baselines in the same run: ``F.linear`` bf16
-with bias, ``torch._int_mm`` (int8 in, int32 out, no epilogue) and ``torch._scaled_mm`` (fp8 per-
-row, bf16 out). Every time is GPU time (``tuning.device_time_ms``: CUDA-graph replays), because an
-eager launch of a Triton kernel costs more host time than these GEMMs take; every schedule's output
-is checked against the reference before it counts.
+the int8/fp8 the fused attention kernel wrote (``fusion.attention_quant``; with
+``--attn-out-float`` it quantizes a bf16 input itself, as before that fusion), + residual; FFN up
+with GELU (fast epilogue) writing int8/fp8; FFN down + residual. Baselines in the same run:
+``F.linear`` bf16 with bias, ``torch._int_mm`` (int8 in, int32 out, no epilogue) and
+``torch._scaled_mm`` (fp8 per-row, bf16 out). Every time is GPU time (``tuning.device_time_ms``:
+CUDA-graph replays), because an eager launch of a Triton kernel costs more host time than these
+GEMMs take; every schedule's output is checked against the reference before it counts.
 """
 
 from __future__ import annotations
