@@ -376,6 +376,18 @@ def gated(y, offs_n, ACT: tl.constexpr, FAST: tl.constexpr = False):
     return mul_rn(g, u), cols // 2
 
 
+@triton.jit
+def dot_acc(a, b, acc, FP8_PROMOTE: tl.constexpr):
+    """``acc + a @ b``, the conv and stem kernels' main-loop step; fp8 with ``FP8_PROMOTE`` > 0
+    promotes to float32 every FP8_PROMOTE K-elements. Triton rejects P > the dot's K (BLOCK_K)
+    for fp8 operands; int8 dots and non-sm_90 lowerings ignore it, and so does the interpreter
+    (float32 sums throughout)."""
+    if FP8_PROMOTE > 0:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, out_dtype=acc.dtype)
+
+
 # ---- the conv kernels' schedule (conv and depthwise) ----
 
 @dataclass(frozen=True)

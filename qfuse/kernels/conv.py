@@ -33,6 +33,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     ConvConfig,
+    dot_acc,
     quantize_fp8,
     quantize_int8,
     tile_indices,
@@ -63,17 +64,6 @@ def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
         else:
             a = quantize_int8(a, x_inv_scale, x_zp)
     return a
-
-
-@triton.jit
-def _dot(a, b, acc, FP8_PROMOTE: tl.constexpr):
-    """``acc + a @ b``; fp8 with ``FP8_PROMOTE`` > 0 promotes to float32 every FP8_PROMOTE
-    K-elements. Triton rejects P > the dot's K (BLOCK_K) for fp8 operands; int8 dots and
-    non-sm_90 lowerings ignore it, and so does the interpreter (float32 sums throughout)."""
-    if FP8_PROMOTE > 0:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
-    else:
-        return tl.dot(a, b, acc, out_dtype=acc.dtype)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -145,7 +135,7 @@ def _qconv_kernel(
                         EXACT)
             b_off = kh * swh + kw * sww + c * swc
             b = tl.load(w_cols + b_off[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = _dot(a, b, acc, FP8_PROMOTE)
+            acc = dot_acc(a, b, acc, FP8_PROMOTE)
     else:
         # One (kh, kw) tap and a block of channels per step.
         c_tiles = tl.cdiv(CG_IN, BLOCK_K)
@@ -165,7 +155,7 @@ def _qconv_kernel(
             b_ptrs = w_cols + (kh * swh + kw * sww) + (c * swc)[:, None]
             # K_W: the weight's channels (< CG_IN for an im2col buffer's padded row)
             b = tl.load(b_ptrs, mask=(c < K_W)[:, None] & mask_n[None, :], other=0.0)
-            acc = _dot(a, b, acc, FP8_PROMOTE)
+            acc = dot_acc(a, b, acc, FP8_PROMOTE)
 
     conv_epilogue(
         acc, offs_m, n_glob, mask_m, mask_n,

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels.common import quantize_fp8, quantize_int8
+from qfuse.kernels.common import dot_acc, quantize_fp8, quantize_int8
 from qfuse.kernels.epilogue import conv_epilogue
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -159,15 +159,6 @@ def _patch_tile(x_pix, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
     return a
 
 
-@triton.jit
-def _mma(a, b, acc, FP8_PROMOTE: tl.constexpr):
-    """``acc + a @ b``; ``FP8_PROMOTE`` as ``ConvConfig.fp8_promote`` (fp8 operands only)."""
-    if FP8_PROMOTE > 0:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE, out_dtype=acc.dtype)
-    else:
-        return tl.dot(a, b, acc, out_dtype=acc.dtype)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _stem_kernel(
     # pointers
@@ -230,9 +221,9 @@ def _stem_kernel(
         w_mask = (k < K)[None, :] & mask_n[:, None]
         w = tl.load(w_ptr + offs_n[:, None] * swo + k[None, :], mask=w_mask, other=0.0)
         if KMAJOR:
-            acc = _mma(w, a, acc, FP8_PROMOTE)
+            acc = dot_acc(w, a, acc, FP8_PROMOTE)
         else:
-            acc = _mma(a, tl.trans(w), acc, FP8_PROMOTE)
+            acc = dot_acc(a, tl.trans(w), acc, FP8_PROMOTE)
     if KMAJOR:
         acc = tl.trans(acc)
 
