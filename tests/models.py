@@ -68,3 +68,25 @@ def randomize_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     ref, out = ref.double(), out.double()
     return (10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean())).item()
+
+
+def tiny_bert(layers: int = 1, dtype: torch.dtype = torch.float32):
+    """A randomly initialised transformers BERT encoder (hidden 32, 2 heads, vocab 64) on SDPA,
+    no pooler: what the fusion tests convert."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
+                                     num_attention_heads=2, intermediate_size=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.BertModel(config, add_pooling_layer=False).eval().to(dtype)
+
+
+def token_batch(seed: int = 0, pad: bool = True) -> dict:
+    """Two sequences of 9 token ids for ``tiny_bert``; ``pad`` masks the second one's last 4."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[1, 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask}

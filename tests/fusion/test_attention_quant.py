@@ -11,26 +11,17 @@ import torch
 
 import qfuse
 from qfuse.ops.attention import INTERPRETED, attention_quant_call
+from tests.models import tiny_bert, token_batch
 
 transformers = pytest.importorskip("transformers")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def _bert(dtype=torch.float32):
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=64)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.BertModel(config, add_pooling_layer=False).eval().to(dtype)
+    return tiny_bert(1, dtype)
 
 
-def _inputs(seed: int = 0, pad: bool = True):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (2, 9), generator=g)
-    mask = torch.ones_like(ids)
-    if pad:
-        mask[1, 5:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+_inputs = token_batch
 
 
 def _prepared(cfg="int8_static", dtype=torch.float32, **kw):

@@ -6,25 +6,17 @@ import torch
 
 import qfuse
 from qfuse.ops.attention import attention_quant_call, drop_full_mask
+from tests.models import tiny_bert, token_batch
 
 transformers = pytest.importorskip("transformers")
 
 
 def _bert():
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.BertModel(config, add_pooling_layer=False).eval()
+    return tiny_bert(2)
 
 
 def _inputs(pad: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (2, 9), generator=g)
-    mask = torch.ones_like(ids)
-    if pad:
-        mask[1, 5:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+    return token_batch(seed, pad)
 
 
 @pytest.fixture(scope="module")
