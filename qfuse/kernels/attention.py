@@ -249,7 +249,7 @@ def launch_args(q, k, v, mask, scale, inv_scale, zero_point, out_dtype, interpre
         stride_mb=mstrides[0], stride_mh=mstrides[1], stride_mq=mstrides[2],
         stride_mk=mstrides[3], stride_ob=out.stride(0), stride_os=out.stride(1),
         QK_SCALE=scale * LOG2E,
-        MASK=0 if mask is None else 1 if mask.dtype in (torch.bool, torch.uint8) else 2,
+        MASK=0 if mask is None else 1 if mask.dtype == torch.bool else 2,
         OUT=code, HAS_ZP=zero_point is not None and code == 1,
         Y_MANT=mant, Y_EMIN=emin, EXACT=interpreted, IEEE=q.dtype == torch.float32,
         BLOCK_M=sched.block_m, BLOCK_N=sched.block_n,

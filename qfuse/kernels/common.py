@@ -388,6 +388,21 @@ def dot_acc(a, b, acc, FP8_PROMOTE: tl.constexpr):
         return tl.dot(a, b, acc, out_dtype=acc.dtype)
 
 
+@triton.jit
+def input_qparams(x_inv_scale_ptr, x_zp_ptr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr):
+    """A conv's input quantization: ``(inv_scale, zero point as float, zero point as int8)``;
+    1 and 0 where the input is already quantized or symmetric."""
+    x_inv_scale = 1.0
+    x_zp = 0.0
+    x_zp_q = 0
+    if not X_QUANTIZED:
+        x_inv_scale = tl.load(x_inv_scale_ptr)
+    if HAS_X_ZP:
+        x_zp_q = tl.load(x_zp_ptr).to(tl.int8)
+        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    return x_inv_scale, x_zp, x_zp_q
+
+
 # ---- the conv kernels' schedule (conv and depthwise) ----
 
 @dataclass(frozen=True)

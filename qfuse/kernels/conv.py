@@ -34,6 +34,7 @@ from qfuse.kernels.common import (
     ACTIVATION_CODES,
     ConvConfig,
     dot_acc,
+    input_qparams,
     quantize_fp8,
     quantize_int8,
     tile_indices,
@@ -103,14 +104,7 @@ def _qconv_kernel(
     n_glob = group * CG_OUT + offs_n
     w_cols = w_ptr + n_glob[None, :] * swo
 
-    x_inv_scale = 1.0
-    x_zp = 0.0
-    x_zp_q = 0
-    if not X_QUANTIZED:
-        x_inv_scale = tl.load(x_inv_scale_ptr)
-    if HAS_X_ZP:
-        x_zp_q = tl.load(x_zp_ptr).to(tl.int8)
-        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    x_inv_scale, x_zp, x_zp_q = input_qparams(x_inv_scale_ptr, x_zp_ptr, X_QUANTIZED, HAS_X_ZP)
 
     if FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -88,9 +88,8 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
                                       prequantize=x_float))
         # Narrow column tiles: at M = 128 an encoder's GEMMs (K, N of 384..3072) are bound by
         # reading the weights, and 64x128 tiles give MiniLM's FFN-up (N = 1536) 24 programs on
-        # 132 SMs (measured on an H200: 7.5 us against cuBLAS bf16's 3.5,
-        # encoder_gemms_h200_m128.json). 64x64 / 64x32 tiles give 2-4x the programs, each
-        # streaming its weight rows; split-K (two K tiles a split at least) where still short.
+        # 132 SMs. 64x64 / 64x32 tiles give 2-4x the programs, each streaming its weight rows;
+        # split-K (two K tiles a split at least) where still short.
         for bn in (64, 32):
             tiles = triton.cdiv(M, 64) * triton.cdiv(N, bn)
             k_tiles = triton.cdiv(K, 128)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels.common import dot_acc, quantize_fp8, quantize_int8
+from qfuse.kernels.common import dot_acc, input_qparams, quantize_fp8, quantize_int8
 from qfuse.kernels.epilogue import conv_epilogue
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -196,14 +196,7 @@ def _stem_kernel(
     else:
         x_pix = x_ptr + (batch * sxn + ih0 * sxh + iw0 * sxw)
 
-    x_inv_scale = 1.0
-    x_zp = 0.0
-    x_zp_q = 0
-    if not X_QUANTIZED:
-        x_inv_scale = tl.load(x_inv_scale_ptr)
-    if HAS_X_ZP:
-        x_zp_q = tl.load(x_zp_ptr).to(tl.int8)
-        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    x_inv_scale, x_zp, x_zp_q = input_qparams(x_inv_scale_ptr, x_zp_ptr, X_QUANTIZED, HAS_X_ZP)
 
     K: tl.constexpr = KH * KW * C
     acc_type = tl.float32 if FP8 else tl.int32

@@ -149,8 +149,7 @@ class Sweep:
     def ms(self, model, batch) -> float:
         """How ``best`` times a model: on a GPU by CUDA-graph replays when the sweep times the
         graph mode (eager calls there are bound by host launch cost, which would rank configs by
-        their kernel count, not their GPU time; measured on an H200 the digits CNN's int8 model
-        was 3.8x slower than bf16 eager and 1.7x graphed), else by eager calls."""
+        their kernel count, not their GPU time), else by eager calls."""
         fn = lambda: call(model, batch)  # noqa: E731
         if self.device.type == "cuda" and "graph" in self.modes:
             try:
