@@ -8,12 +8,14 @@ For each impl: ``generate(cache_implementation="static")`` greedy as a user call
 calls compile), then one call of ``--tokens`` new tokens under torch.profiler: wall time, summed
 GPU kernel time and kernel count per new token, the top kernels, and Dynamo's counters (graph
 breaks, unique graphs) collected over the whole run. A per-token wall well above the GPU time
-is host time (Python, launches) that no kernel can win back.
+is host time (Python, launches) that no kernel can win back; ``cudagraph_skips`` counts the
+compiled graphs Inductor ran without CUDA graphs, with its reasons.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -25,8 +27,26 @@ import harness  # noqa: E402
 from bench_llm import PROMPT, build, qfuse_model  # noqa: E402
 
 
+class _Skips(logging.Handler):
+    """Inductor's reasons for running a compiled graph without CUDA graphs (its ``cudagraphs``
+    log artifact): a skipped graph launches every kernel from Python each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "cudagraph" in msg.lower() and "skip" in msg.lower():
+            self.messages.append(msg[:300])
+
+
 def profile_generate(model, ids, tokens: int, device: str) -> dict:
     from torch._dynamo.utils import counters
+
+    skips = _Skips()
+    torch._logging.set_logs(cudagraphs=True)
+    logging.getLogger("torch._inductor").addHandler(skips)
 
     def gen(n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
@@ -46,7 +66,10 @@ def profile_generate(model, ids, tokens: int, device: str) -> dict:
     row = dict(wall_us_per_token=wall / tokens * 1e6,
                graph_breaks=sum(counters["graph_break"].values()),
                unique_graphs=counters["stats"].get("unique_graphs", 0),
-               break_reasons=sorted(counters["graph_break"])[:8])
+               break_reasons=sorted(counters["graph_break"])[:8],
+               cudagraph_skips=counters["inductor"].get("cudagraph_skips", 0),
+               cudagraph_skip_reasons=sorted(set(skips.messages))[:8])
+    logging.getLogger("torch._inductor").removeHandler(skips)
     if device == "cuda":
         kernels = harness.cuda_kernels(lambda: gen(tokens))
         total = sum(us for _, us in kernels)
