@@ -86,31 +86,22 @@ def start_acc(offs_n, N, x_zp_ptr, wsum_ptr, FIRST, FP8: tl.constexpr, ZP_CORR: 
 
 
 @triton.jit
-def output_values(y, out_inv_scale_ptr, out_zp_ptr, out_dtype: tl.constexpr, OUT_Q: tl.constexpr,
-                  HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr,
-                  EXACT: tl.constexpr):
+def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.constexpr,
+                 HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr,
+                 EXACT: tl.constexpr):
     """``y`` requantized (int8 with an optional zero point, fp8) or in the output's dtype."""
     if OUT_Q == 1:
         out_zp = 0.0
         if HAS_OUT_ZP:
             out_zp = tl.load(out_zp_ptr).to(tl.float32)
-        return quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp, HAS_OUT_ZP)
+        tl.store(out_ptrs, quantize_int8(y, tl.load(out_inv_scale_ptr), out_zp, HAS_OUT_ZP),
+                 mask=mask)
     elif OUT_Q == 2:
-        return quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT)
+        tl.store(out_ptrs, quantize_fp8(y, tl.load(out_inv_scale_ptr), EXACT), mask=mask)
     else:
         if OUT_MANT > 0:
             y = round_to_float_grid(y, OUT_MANT, OUT_EMIN)
-        return y.to(out_dtype)
-
-
-@triton.jit
-def store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q: tl.constexpr,
-                 HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr,
-                 EXACT: tl.constexpr):
-    """``y`` requantized or cast (``output_values``), stored through pointers."""
-    tl.store(out_ptrs, output_values(y, out_inv_scale_ptr, out_zp_ptr,
-                                     out_ptrs.dtype.element_ty, OUT_Q, HAS_OUT_ZP, OUT_MANT,
-                                     OUT_EMIN, EXACT), mask=mask)
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 # ---- the conv kernels' epilogue (conv and depthwise) ----
@@ -152,21 +143,6 @@ def conv_epilogue(
 # ---- the GEMM kernels' tile epilogue (qgemm and decode_gemm) ----
 
 @triton.jit
-def activated(acc, offs_m, offs_n, M, N, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr,
-              X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-              ACT: tl.constexpr, FAST_ACT: tl.constexpr):
-    """Scales, bias and activation of a tile: ``(y, output columns)``; a gated activation
-    (SwiGLU / GeGLU) turns N interleaved gate/up columns into N / 2 outputs."""
-    y = scale_acc(acc, offs_m, offs_n, offs_m < M, offs_n < N, scale_ptr, x_scale_ptr, bias_ptr,
-                  x_zp_ptr, wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
-    if ACT >= 7:
-        y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
-    else:
-        y = activation(y, ACT, FAST_ACT)
-    return y, offs_n
-
-
-@triton.jit
 def gemm_epilogue(
     acc, offs_m, offs_n, M, N,
     scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
@@ -178,9 +154,14 @@ def gemm_epilogue(
 ):
     """Zero-point correction, scales, bias, activation, residual, requant — reference order."""
     mask_m = offs_m < M
-    y, offs_n = activated(acc, offs_m, offs_n, M, N, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
-                          wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, FAST_ACT)
-    mask_n = offs_n < (N // 2 if ACT >= 7 else N)
+    mask_n = offs_n < N
+    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
+                  wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
+    if ACT >= 7:  # gated (SwiGLU / GeGLU): N interleaved gate/up columns -> N / 2 outputs
+        y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
+        mask_n = offs_n < N // 2
+    else:
+        y = activation(y, ACT, FAST_ACT)
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RESIDUAL:
         r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn

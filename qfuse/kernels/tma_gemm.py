@@ -21,51 +21,20 @@ and a row pitch that is a multiple of 16 bytes (K % 16 == 0 for one-byte element
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qfuse.kernels.common import tile_indices
-from qfuse.kernels.epilogue import activated, finish_tile, output_values, start_acc
-
-# Store the output tile (and read a residual tile) through descriptors where their strides allow
-# it; QFUSE_TMA_POINTER_EPILOGUE=1: the pointer epilogue of the other families instead (for A/B
-# benchmarks; read at import, so that spawned compile workers see the same setting).
-DESC_EPILOGUE = os.environ.get("QFUSE_TMA_POINTER_EPILOGUE", "0") != "1"
-
-
-@triton.jit
-def _desc_epilogue(
-    acc, offs_m, row0, col0, M, N,
-    scale_ptr, x_scale_ptr, bias_ptr, res_desc, out_inv_scale_ptr, out_zp_ptr, out_desc,
-    X_ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-    WIDTH: tl.constexpr,
-):
-    """``gemm_epilogue``'s numbers for the ``WIDTH`` columns from ``col0``, with the residual
-    read and the output written as whole tiles by the copy engine: the tile goes through shared
-    memory in wide rows instead of one predicated byte or half-word store per element with its
-    own address and mask (edges past M and N are clipped by the copy)."""
-    offs_n = col0 + tl.arange(0, WIDTH)
-    y, _ = activated(acc, offs_m, offs_n, M, N, scale_ptr, x_scale_ptr, bias_ptr, scale_ptr,
-                     scale_ptr, X_ROW_SCALE, False, HAS_BIAS, ACT, FAST_ACT)
-    out_col = col0 // 2 if ACT >= 7 else col0
-    if HAS_RESIDUAL:
-        y = y + res_desc.load([row0, out_col]).to(tl.float32)
-    out_desc.store([row0, out_col], output_values(y, out_inv_scale_ptr, out_zp_ptr,
-                                                  out_desc.dtype, OUT_Q, HAS_OUT_ZP, OUT_MANT,
-                                                  OUT_EMIN, EXACT))
+from qfuse.kernels.epilogue import finish_tile, start_acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _qlinear_tma_kernel(
     # descriptors (x [M, K], W [N, K]) and epilogue pointers
     x_desc, w_desc, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr, res_desc, out_desc,
+    out_inv_scale_ptr, out_zp_ptr, out_ptr,
     # dimensions
     M, N, K,
     # strides of the residual and the output
@@ -90,8 +59,6 @@ def _qlinear_tma_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
-    DESC_OUT: tl.constexpr = False,
-    DESC_RES: tl.constexpr = False,
 ):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -106,51 +73,26 @@ def _qlinear_tma_kernel(
             b = w_desc.load([col0, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc, out_dtype=acc.dtype)
         offs_m = row0 + tl.arange(0, BLOCK_M)
-        if DESC_OUT and (DESC_RES or not HAS_RESIDUAL):
-            if EPI_SPLIT == 1:
-                _desc_epilogue(
-                    acc, offs_m, row0, col0, M, N, scale_ptr, x_scale_ptr, bias_ptr, res_desc,
-                    out_inv_scale_ptr, out_zp_ptr, out_desc, X_ROW_SCALE, HAS_BIAS, ACT,
-                    HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N,
-                )
-            else:
-                left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
-                                                  (0, 2, 1)))
-                _desc_epilogue(
-                    left, offs_m, row0, col0, M, N, scale_ptr, x_scale_ptr, bias_ptr, res_desc,
-                    out_inv_scale_ptr, out_zp_ptr, out_desc, X_ROW_SCALE, HAS_BIAS, ACT,
-                    HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-                    BLOCK_N // 2,
-                )
-                _desc_epilogue(
-                    right, offs_m, row0, col0 + BLOCK_N // 2, M, N, scale_ptr, x_scale_ptr,
-                    bias_ptr, res_desc, out_inv_scale_ptr, out_zp_ptr, out_desc, X_ROW_SCALE,
-                    HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
-                    FAST_ACT, BLOCK_N // 2,
-                )
-        else:
-            finish_tile(
-                acc, offs_m, pid_n, M, N,
-                scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-                out_zp_ptr, out_ptr,
-                stride_rm, stride_rn, stride_om, stride_on,
-                X_ROW_SCALE, False, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-                OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
-            )
-
-
-def _describable(t: torch.Tensor) -> bool:
-    """Whether a descriptor can address 2-D ``t`` as it is: unit stride along a row, a 16-byte
-    row pitch and base."""
-    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+        finish_tile(
+            acc, offs_m, pid_n, M, N,
+            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
+            out_zp_ptr, out_ptr,
+            stride_rm, stride_rn, stride_om, stride_on,
+            X_ROW_SCALE, False, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
+            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, EPI_SPLIT,
+        )
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether descriptors can read ``x`` [M, K] and ``weight`` [N, K] as they are."""
     K = x.shape[1]
-    return all(t.dtype in (torch.int8, torch.float8_e4m3fn) and _describable(t)
-               for t in (x, weight)) and K % 16 == 0
+    return all(
+        t.dtype in (torch.int8, torch.float8_e4m3fn)
+        and t.stride(1) == 1
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        for t in (x, weight)
+    ) and K % 16 == 0
 
 
 def descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int,
@@ -165,19 +107,11 @@ def tma_args(ptr_args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict
     descriptors, and the prologue's and split-K's arguments go)."""
     x_desc, w_desc = descriptors(x, weight, cfg.block_m, cfg.block_n, cfg.block_k)
     a = ptr_args
-    # The output (and residual) tile one epilogue call writes: the tile's columns, halved by a
-    # gated activation and by an epilogue split.
-    width = cfg.block_n // (2 if a["ACT"] >= 7 else 1) // cfg.epi_split
-    out, res = a["out_ptr"], a["res_ptr"]
-    desc_out = DESC_EPILOGUE and _describable(out) and width * out.element_size() >= 16
-    desc_res = desc_out and a["HAS_RESIDUAL"] and _describable(res)
-    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, width]) if desc_out else x_desc
-    res_desc = TensorDescriptor.from_tensor(res, [cfg.block_m, width]) if desc_res else x_desc
     return dict(
         x_desc=x_desc, w_desc=w_desc, scale_ptr=a["scale_ptr"], x_scale_ptr=a["x_scale_ptr"],
         bias_ptr=a["bias_ptr"], x_zp_ptr=a["x_zp_ptr"], wsum_ptr=a["wsum_ptr"],
         res_ptr=a["res_ptr"], out_inv_scale_ptr=a["out_inv_scale_ptr"],
-        out_zp_ptr=a["out_zp_ptr"], out_ptr=a["out_ptr"], res_desc=res_desc, out_desc=out_desc,
+        out_zp_ptr=a["out_zp_ptr"], out_ptr=a["out_ptr"],
         M=a["M"], N=a["N"], K=a["K"],
         stride_rm=a["stride_rm"], stride_rn=a["stride_rn"], stride_om=a["stride_om"],
         stride_on=a["stride_on"],
@@ -186,6 +120,6 @@ def tma_args(ptr_args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict
         OUT_Q=a["OUT_Q"], HAS_OUT_ZP=a["HAS_OUT_ZP"], OUT_MANT=a["OUT_MANT"],
         OUT_EMIN=a["OUT_EMIN"], EXACT=a["EXACT"], FAST_ACT=a["FAST_ACT"],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.persistent, DESC_OUT=desc_out, DESC_RES=desc_res,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.persistent,
     )
 

@@ -36,26 +36,6 @@ def test_tma_epilogues(device, cfg, qdtype):
                         out_dtype=out_dtype, residual=True), cfg)
 
 
-@pytest.mark.parametrize("cfg", TMA, ids=IDS)
-@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
-def test_tma_descriptor_epilogue(device, cfg, qdtype):
-    """Rows 16-byte aligned (N = 80): the output and the residual go through descriptors, with
-    ragged tiles in M and N; the pointer epilogue is the same numbers."""
-    for out_dtype, x_mode, act in ((torch.int8, "static", "gelu"),
-                                   (torch.bfloat16, "quantized", "silu"),
-                                   (torch.float32, "rows", "relu")):
-        args = make_case(37, 64, 80, device, qdtype=qdtype, x_mode=x_mode, act=act,
-                         out_dtype=out_dtype, residual=True)
-        xq = args["x"] if x_mode == "quantized" else torch.zeros(37, 64, dtype=qdtype,
-                                                                 device=device)
-        out = torch.empty(37, 80, dtype=out_dtype, device=device)
-        _, bound, _ = qgemm.gemm_args(
-            xq, args["weight"], args["scale"], None, None, None, None, None, args["residual"],
-            None, None, act, out, cfg, False)
-        assert bound["DESC_OUT"] and bound["DESC_RES"]
-        check(args, cfg)
-
-
 @pytest.mark.parametrize("cfg", TMA[:2], ids=IDS[:2])
 def test_tma_zero_points_and_channels(device, cfg):
     for x_mode in ("static", "quantized", "channels"):
