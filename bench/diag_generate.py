@@ -53,7 +53,8 @@ def host_profile(fn, tokens: int, top: int = 25) -> list:
     stats = pstats.Stats(prof).stats
     rows = sorted(((tt, nc, f"{Path(fname).name}:{line}({func})")
                    for (fname, line, func), (_, nc, tt, _, _) in stats.items()), reverse=True)
-    return [(round(tt / tokens * 1e6, 1), round(nc / tokens, 1), name) for tt, nc, name in rows[:top]]
+    return [(round(tt / tokens * 1e6, 1), round(nc / tokens, 1), name)
+            for tt, nc, name in rows[:top]]
 
 
 def profile_generate(model, ids, tokens: int, device: str) -> dict:
