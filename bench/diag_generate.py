@@ -9,14 +9,15 @@ calls compile), then one call of ``--tokens`` new tokens under torch.profiler: w
 GPU kernel time and kernel count per new token, the top kernels, and Dynamo's counters (graph
 breaks, unique graphs) collected over the whole run. A per-token wall well above the GPU time
 is host time (Python, launches) that no kernel can win back; ``cudagraph_skips`` counts the
-compiled graphs Inductor ran without CUDA graphs, with its reasons.
+compiled graphs Inductor ran without CUDA graphs; ``host`` is Python's own profile per token
+(own and cumulative times), ``wall_us_per_token_no_guards`` the wall with Dynamo's guards
+skipped (their cost is the difference).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import logging
 import pstats
 import sys
 import time
@@ -29,64 +30,64 @@ import harness  # noqa: E402
 from bench_llm import PROMPT, build, qfuse_model  # noqa: E402
 
 
-class _Skips(logging.Handler):
-    """Inductor's reasons for running a compiled graph without CUDA graphs (its ``cudagraphs``
-    log artifact): a skipped graph launches every kernel from Python each step."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if "cudagraph" in msg.lower() and "skip" in msg.lower():
-            self.messages.append(msg[:300])
-
-
-def host_profile(fn, tokens: int, top: int = 25) -> list:
-    """Python's own profile of ``fn``: the functions with the most time of their own, in
-    microseconds per new token, with their calls per token (where the host's time goes)."""
+def host_profile(fn, tokens: int, top: int = 25) -> dict:
+    """Python's own profile of ``fn`` in microseconds per new token: the functions with the
+    most time of their own (with calls per token), and with the most time including what they
+    call (where the host's time goes)."""
     prof = cProfile.Profile()
     prof.enable()
     fn()
     prof.disable()
     stats = pstats.Stats(prof).stats
-    rows = sorted(((tt, nc, f"{Path(fname).name}:{line}({func})")
-                   for (fname, line, func), (_, nc, tt, _, _) in stats.items()), reverse=True)
-    return [(round(tt / tokens * 1e6, 1), round(nc / tokens, 1), name)
-            for tt, nc, name in rows[:top]]
+    rows = [(tt, ct, nc, f"{Path(fname).name}:{line}({func})")
+            for (fname, line, func), (_, nc, tt, ct, _) in stats.items()]
+    per = lambda t: round(t / tokens * 1e6, 1)  # noqa: E731
+    return dict(
+        own=[(per(tt), round(nc / tokens, 1), name)
+             for tt, _, nc, name in sorted(rows, reverse=True)[:top]],
+        cumulative=[(per(ct), round(nc / tokens, 1), name)
+                    for _, ct, nc, name in sorted(rows, key=lambda r: -r[1])[:top]])
 
 
 def profile_generate(model, ids, tokens: int, device: str) -> dict:
     from torch._dynamo.utils import counters
 
-    skips = _Skips()
-    torch._logging.set_logs(cudagraphs=True)
-    logging.getLogger("torch._inductor").addHandler(skips)
-
     def gen(n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                               min_new_tokens=n, do_sample=False, cache_implementation="static")
 
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def per_token() -> float:
+        """Wall microseconds per new token: the difference of a long and a short call."""
+        walls = {}
+        for n in (tokens, 3 * tokens):
+            sync()
+            t0 = time.perf_counter()
+            gen(n)
+            sync()
+            walls[n] = time.perf_counter() - t0
+        return (walls[3 * tokens] - walls[tokens]) / (2 * tokens) * 1e6
+
     torch._dynamo.reset()
     counters.clear()
-    gen(tokens)  # compiles
+    gen(3 * tokens)  # compiles
     gen(tokens)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    gen(tokens)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    row = dict(wall_us_per_token=wall / tokens * 1e6,
+    row = dict(wall_us_per_token=per_token(),
                graph_breaks=sum(counters["graph_break"].values()),
                unique_graphs=counters["stats"].get("unique_graphs", 0),
                break_reasons=sorted(counters["graph_break"])[:8],
-               cudagraph_skips=counters["inductor"].get("cudagraph_skips", 0),
-               cudagraph_skip_reasons=sorted(set(skips.messages))[:8])
-    logging.getLogger("torch._inductor").removeHandler(skips)
-    row["host_top"] = host_profile(lambda: gen(tokens), tokens)
+               cudagraph_skips=counters["inductor"].get("cudagraph_skips", 0))
+    # The same with Dynamo's guards not evaluated (unsafe in general, exact here: nothing
+    # changes between calls): the difference is the guards' host cost per token.
+    try:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            row["wall_us_per_token_no_guards"] = per_token()
+    except Exception as exc:  # noqa: BLE001 — older torch: no such stance
+        row["wall_us_per_token_no_guards"] = harness.error_text(exc)
+    row["host"] = host_profile(lambda: gen(tokens), tokens)
     if device == "cuda":
         kernels = harness.cuda_kernels(lambda: gen(tokens))
         total = sum(us for _, us in kernels)
@@ -124,9 +125,11 @@ def main(argv=None) -> None:
         except Exception as exc:  # noqa: BLE001 — a failing row is a result
             row = dict(impl=impl, error=harness.error_text(exc))
         rows.append(row)
-        print({k: v for k, v in row.items() if k not in ("top", "host_top")}, flush=True)
-        for us, calls, name in row.get("host_top", [])[:15]:
-            print(f"   host {us:8.1f} us/token {calls:7.1f} calls/token  {name}", flush=True)
+        print({k: v for k, v in row.items() if k not in ("top", "host")}, flush=True)
+        for view, top in row.get("host", {}).items():
+            for us, calls, name in top:
+                print(f"   {view:10s} {us:8.1f} us/token {calls:7.1f} calls/token  {name}",
+                      flush=True)
     if args.out:
         harness.write_results(args.out, rows)
 
