@@ -100,6 +100,23 @@ def test_forced_paths_agree(calls):
         conv.qconv2d(**args, conv1x1_path="gemm")
 
 
+def test_traced_route_is_the_opaque_op(calls):
+    """With a launcher (``wrap_triton`` when ``qfuse::qconv2d`` is traced) the conv goes through
+    ``qfuse::tma_conv1x1`` with the schedule as integers; the op's fake agrees with its body."""
+    args = make_case("cpu", **{**SMALL, "c_in": 32}, x_quantized=True, residual="quantized",
+                     zp=True, act="relu", post_act="relu")
+    assert torch.equal(conv.qconv2d(**args, launcher=lambda k: k),
+                       conv.qconv2d(**args, conv1x1_path="mma"))
+    assert calls == [conv_tma.INTERPRETER_CONFIG]  # rebuilt from the op's integer list
+    wsum = args["weight"].to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
+    op_args = (args["x"], args["weight"], args["scale"], args["bias"], args["x_zero_point"],
+               wsum, args["residual"], args["residual_scale"], args["residual_zero_point"],
+               args["out_inv_scale"], args["out_zero_point"], "relu", "relu", torch.int8,
+               [16, 32, 32, 4, 1, 2, 8, 0])
+    torch.library.opcheck(torch.ops.qfuse.tma_conv1x1, op_args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_conv_path_rule():
     assert conv.conv_path(1, 64, 256, 64, 1, 1, None, gemm_fits=True) == "gemm1x1"
     assert conv.conv_path(1, 64, 256, 64, 1, 1, None, True, "mma") == "implicit"
