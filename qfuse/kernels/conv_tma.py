@@ -124,7 +124,7 @@ class Conv1x1Config:
 
 
 # The interpreter's cost grows with the tile: small tiles keep CI fast.
-INTERPRETER_CONFIG = Conv1x1Config(16, 32, 32, 4, 1)
+INTERPRETER_CONFIG = Conv1x1Config(32, 32, 32, 4, 1)
 # (block_m, block_n, num_warps, num_stages): the schedules ``conv1x1_candidates`` offers.
 _TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4))
 

@@ -112,7 +112,7 @@ def test_traced_route_is_the_opaque_op(calls):
     op_args = (args["x"], args["weight"], args["scale"], args["bias"], args["x_zero_point"],
                wsum, args["residual"], args["residual_scale"], args["residual_zero_point"],
                args["out_inv_scale"], args["out_zero_point"], "relu", "relu", torch.int8,
-               [16, 32, 32, 4, 1, 2, 8, 0])
+               [32, 32, 32, 4, 1, 2, 8, 0])
     torch.library.opcheck(torch.ops.qfuse.tma_conv1x1, op_args,
                           test_utils=("test_schema", "test_faketensor"))
 
