@@ -312,7 +312,8 @@ def qconv2d(
     A 1x1 stride-1 conv with C_in % 16 == 0 on a channels-last input runs on the TMA GEMM
     (``conv_tma``: its input quantized first; ``config`` then a ``conv_tma.Conv1x1Config``,
     while a ``ConvConfig`` keeps it on the implicit GEMM);
-    ``conv1x1_path`` ("tma" / "mma") forces that kernel or the implicit GEMM (same numbers).
+    ``conv1x1_path`` ("tma" / "mma") forces that kernel or the implicit GEMM (same numbers);
+    ``QFUSE_CONV1X1_PATH=mma`` in the environment makes "mma" the default.
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
@@ -336,6 +337,8 @@ def qconv2d(
     fp8 = weight.dtype == FP8
     x_quantized = x.dtype in (torch.int8, FP8)
     gemm_fits = conv_tma.fits(x, weight, stride, padding, dilation, groups)
+    if conv1x1_path is None and gemm_fits:
+        conv1x1_path = conv_tma.DEFAULT_PATH  # QFUSE_CONV1X1_PATH
     if conv1x1_path is None and isinstance(config, ConvConfig):
         gemm_fits = False  # a ConvConfig pins the implicit GEMM (tuning, tests)
     path = conv_path(groups, c_in, c_out, cg_in, kh, kw, stem_path, gemm_fits, conv1x1_path)

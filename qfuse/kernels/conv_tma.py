@@ -26,7 +26,6 @@ Traced calls (``torch.compile``) cannot build descriptors inside a ``triton_op``
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import ACTIVATION_CODES, dot_acc, tile_indices
 from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code, split_k_reduce
 from qfuse.kernels.layout import empty_nhwc
-from qfuse.kernels.qgemm import _locks
+from qfuse.kernels.qgemm import _locks, _sm_count
 from qfuse.kernels.schedules import _split_for
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -159,11 +158,6 @@ def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS) -> Conv1x1Config
     return cands[2]
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return SMS
@@ -172,6 +166,15 @@ def sm_count(device: torch.device) -> int:
 
 # Ways to run a 1x1 stride-1 conv: "tma" (this kernel) or "mma" (``conv._qconv_kernel``).
 CONV1X1_PATHS = ("tma", "mma")
+# QFUSE_CONV1X1_PATH=mma keeps every 1x1 conv on the implicit GEMM (A/B of whole networks);
+# "auto" (default): this kernel wherever it ``fits``.
+_ENV = os.environ.get("QFUSE_CONV1X1_PATH", "auto")
+if _ENV not in ("auto", "mma"):
+    raise UnsupportedError(
+        f"QFUSE_CONV1X1_PATH={_ENV!r}; use 'auto' (the TMA GEMM where it fits) or 'mma' (the "
+        "implicit GEMM for every 1x1 conv), or leave it unset."
+    )
+DEFAULT_PATH = None if _ENV == "auto" else _ENV
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation, groups: int) -> bool:

@@ -117,6 +117,13 @@ def test_traced_route_is_the_opaque_op(calls):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_env_default_keeps_1x1_convs_on_the_implicit_gemm(calls, monkeypatch):
+    """``QFUSE_CONV1X1_PATH=mma`` (read at import into ``DEFAULT_PATH``): no TMA conv."""
+    monkeypatch.setattr(conv_tma, "DEFAULT_PATH", "mma")
+    check(make_case("cpu", **{**SMALL, "c_in": 32}, act="relu"))
+    assert calls == []
+
+
 def test_conv_path_rule():
     assert conv.conv_path(1, 64, 256, 64, 1, 1, None, gemm_fits=True) == "gemm1x1"
     assert conv.conv_path(1, 64, 256, 64, 1, 1, None, True, "mma") == "implicit"
