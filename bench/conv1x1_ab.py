@@ -183,7 +183,8 @@ def print_table(rows: list[dict]) -> None:
         x_cu = same["cudnn_bf16"] / us if same.get("cudnn_bf16") else 0
         c = r.get("config")
         note = "" if not c else (f"{c['block_m']}x{c['block_n']}x{c['block_k']} "
-                                 f"w{c['num_warps']} s{c['num_stages']} split{c['split_k']}")
+                                 f"w{c['num_warps']} s{c['num_stages']} split{c['split_k']} "
+                                 f"epi{c['epi_split']}")
         print(f"{head} {us:8.1f} {r['tops']:6.0f} {x_old:6.2f} {x_cu:7.2f}  {note}")
     for qname, _ in QDTYPES:  # the network's 1x1 convs: each shape times its count
         net = {}

@@ -56,7 +56,7 @@ def _conv1x1_tma_kernel(
     POST_ACT: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
     OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, FP8_PROMOTE: tl.constexpr,
+    SPLIT_K: tl.constexpr, FP8_PROMOTE: tl.constexpr, EPI_SPLIT: tl.constexpr = 1,
 ):
     """Grid (tiles, SPLIT_K). ``FP8_PROMOTE`` as ``conv._qconv_kernel``'s (fp8 accumulation
     precision: 0 is Triton's sm_90 default)."""
@@ -85,13 +85,35 @@ def _conv1x1_tma_kernel(
     if SPLIT_K > 1:
         acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
     if is_last:
-        conv_epilogue(
-            acc, offs_m, offs_n, offs_m < M, offs_n < N,
-            scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
-            out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
-            HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
-            HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
-        )
+        if EPI_SPLIT == 1:
+            conv_epilogue(
+                acc, offs_m, offs_n, offs_m < M, offs_n < N,
+                scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+                out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+                HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
+                HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
+            )
+        else:
+            # Two column halves one after the other: the residual's and the output's pointer
+            # tiles (64-bit each) are live for half the tile at a time.
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
+                                              (0, 2, 1)))
+            offs_h = col0 + tl.arange(0, BLOCK_N // 2)
+            conv_epilogue(
+                left, offs_m, offs_h, offs_m < M, offs_h < N,
+                scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+                out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+                HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
+                HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
+            )
+            offs_h += BLOCK_N // 2
+            conv_epilogue(
+                right, offs_m, offs_h, offs_m < M, offs_h < N,
+                scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+                out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
+                HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
+                HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
+            )
 
 
 @dataclass(frozen=True)
@@ -107,8 +129,15 @@ class Conv1x1Config:
     split_k: int = 1
     group_m: int = 8
     fp8_promote: int = 0
+    # 2: the epilogue on the tile's two column halves one after the other (fewer registers
+    # live beside the residual's and output's pointer tiles; sm_90 ptxas spills less).
+    epi_split: int = 1
 
     def __post_init__(self):
+        if self.epi_split not in (1, 2):
+            raise UnsupportedError(
+                f"Conv1x1Config: epi_split={self.epi_split}; use 1 or 2 (column halves)."
+            )
         p = self.fp8_promote
         if p and (p % 32 or not 32 <= p <= max(self.block_k, 32)):
             raise UnsupportedError(
@@ -124,8 +153,10 @@ class Conv1x1Config:
 
 # The interpreter's cost grows with the tile: small tiles keep CI fast.
 INTERPRETER_CONFIG = Conv1x1Config(32, 32, 32, 4, 1)
-# (block_m, block_n, num_warps, num_stages): the schedules ``conv1x1_candidates`` offers.
-_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4))
+# (block_m, block_n, num_warps, num_stages, epi_split): the schedules ``conv1x1_candidates``
+# offers, the first three the ones ``pick_conv1x1_config`` chooses among.
+_TILES = ((128, 128, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 4, 1), (128, 128, 4, 4, 1),
+          (128, 128, 8, 3, 2), (128, 64, 4, 4, 2))
 
 
 def _tiles(M: int, N: int, bm: int, bn: int) -> int:
@@ -138,9 +169,9 @@ def conv1x1_candidates(M: int, N: int, K: int, sms: int = SMS) -> list[Conv1x1Co
     program while each split keeps >= 4 K steps)."""
     block_k = 128 if K > 64 else 64 if K > 32 else 32
     k_tiles = -(-K // block_k)
-    return [Conv1x1Config(bm, bn, block_k, warps, stages,
+    return [Conv1x1Config(bm, bn, block_k, warps, stages, epi_split=epi,
                           split_k=_split_for(_tiles(M, N, bm, bn), k_tiles, sms))
-            for bm, bn, warps, stages in _TILES]
+            for bm, bn, warps, stages, epi in _TILES]
 
 
 def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS) -> Conv1x1Config:
@@ -262,7 +293,7 @@ def conv1x1(
         OUT_Q=output_code(out_dtype), HAS_OUT_ZP=out_zero_point is not None,
         OUT_MANT=grid_bits[0], OUT_EMIN=grid_bits[1], EXACT=INTERPRETED, FP8=fp8,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, FP8_PROMOTE=cfg.fp8_promote if fp8 else 0,
+        SPLIT_K=cfg.split_k, FP8_PROMOTE=cfg.fp8_promote if fp8 else 0, EPI_SPLIT=cfg.epi_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
     return out

@@ -32,8 +32,8 @@ CASES = {
 }
 
 
-def cfg(split_k: int) -> Conv1x1Config:
-    return Conv1x1Config(16, 32, 32, 4, 1, split_k=split_k)
+def cfg(split_k: int, epi_split: int = 1) -> Conv1x1Config:
+    return Conv1x1Config(16, 32, 32, 4, 1, split_k=split_k, epi_split=epi_split)
 
 
 @pytest.fixture
@@ -51,17 +51,19 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize(("qdtype", "split_k"), [(torch.int8, 1), (torch.int8, 2),
-                                                 (torch.int8, 3), (FP8, 1), (FP8, 2)],
-                         ids=["int8-split1", "int8-split2", "int8-split3", "fp8-split1",
+@pytest.mark.parametrize(("qdtype", "split_k", "epi_split"),
+                         [(torch.int8, 1, 1), (torch.int8, 2, 2), (torch.int8, 3, 1),
+                          (FP8, 1, 2), (FP8, 2, 1)],
+                         ids=["int8-split1", "int8-split2-epi2", "int8-split3", "fp8-split1-epi2",
                               "fp8-split2"])
-def test_epilogues_and_split_k(calls, qdtype, split_k, name):
+def test_epilogues_and_split_k(calls, qdtype, split_k, epi_split, name):
     spec = {**SMALL, **CASES[name]}
     if qdtype == FP8:
         spec.pop("zp", None)  # fp8 is symmetric
     out = spec.get("out_dtype", qdtype)
-    check(make_case("cpu", qdtype=qdtype, **{**spec, "out_dtype": out}), config=cfg(split_k))
-    assert calls == [cfg(split_k)]
+    check(make_case("cpu", qdtype=qdtype, **{**spec, "out_dtype": out}),
+          config=cfg(split_k, epi_split))
+    assert calls == [cfg(split_k, epi_split)]
 
 
 def test_auto_route_takes_the_tma_gemm(calls):
@@ -112,7 +114,7 @@ def test_traced_route_is_the_opaque_op(calls):
     op_args = (args["x"], args["weight"], args["scale"], args["bias"], args["x_zero_point"],
                wsum, args["residual"], args["residual_scale"], args["residual_zero_point"],
                args["out_inv_scale"], args["out_zero_point"], "relu", "relu", torch.int8,
-               [32, 32, 32, 4, 1, 2, 8, 0])
+               [32, 32, 32, 4, 1, 2, 8, 0, 2])
     torch.library.opcheck(torch.ops.qfuse.tma_conv1x1, op_args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -157,7 +159,7 @@ def test_schedule_rule_splits_long_k_on_small_grids():
     assert all(c.split_k > 1 for c in conv_tma.conv1x1_candidates(1568, 512, 2048, 132))
     assert all(c.split_k == 1 for c in conv_tma.conv1x1_candidates(100352, 256, 64, 132))
     assert all(c.block_k == 64 for c in conv_tma.conv1x1_candidates(100352, 256, 64, 132))
-    for bad in (dict(split_k=0), dict(block_k=8), dict(fp8_promote=48)):
+    for bad in (dict(split_k=0), dict(block_k=8), dict(fp8_promote=48), dict(epi_split=4)):
         with pytest.raises(UnsupportedError, match="Conv1x1Config"):
             Conv1x1Config(**{**vars(Conv1x1Config(64, 64, 128, 4, 3)), **bad})
 
