@@ -310,10 +310,9 @@ def qconv2d(
     ``fp8_promote`` overrides the schedule's ``ConvConfig.fp8_promote`` (fp8 accumulation
     precision; capped at the tile's ``block_k``, since every ``tl.dot`` ends with a promotion).
     A 1x1 stride-1 conv with C_in % 16 == 0 on a channels-last input runs on the TMA GEMM
-    (``conv_tma``: its input quantized first; ``config`` then a ``conv_tma.Conv1x1Config``,
-    while a ``ConvConfig`` keeps it on the implicit GEMM);
-    ``conv1x1_path`` ("tma" / "mma") forces that kernel or the implicit GEMM (same numbers);
-    ``QFUSE_CONV1X1_PATH=mma`` in the environment makes "mma" the default.
+    (``conv_tma``: a float input quantized first; ``config`` then a ``conv_tma.Conv1x1Config``;
+    ``conv_tma.default_path`` says where it does not by default);
+    ``conv1x1_path`` ("tma" / "mma") forces that kernel or the implicit GEMM (same numbers).
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
@@ -338,9 +337,7 @@ def qconv2d(
     x_quantized = x.dtype in (torch.int8, FP8)
     gemm_fits = conv_tma.fits(x, weight, stride, padding, dilation, groups)
     if conv1x1_path is None and gemm_fits:
-        conv1x1_path = conv_tma.DEFAULT_PATH  # QFUSE_CONV1X1_PATH
-    if conv1x1_path is None and isinstance(config, ConvConfig):
-        gemm_fits = False  # a ConvConfig pins the implicit GEMM (tuning, tests)
+        conv1x1_path = conv_tma.default_path(M, x_quantized, config)
     path = conv_path(groups, c_in, c_out, cg_in, kh, kw, stem_path, gemm_fits, conv1x1_path)
     depthwise = path == "depthwise"
     use_im2col = path == "im2col"

@@ -206,6 +206,23 @@ if _ENV not in ("auto", "mma"):
         "implicit GEMM for every 1x1 conv), or leave it unset."
     )
 DEFAULT_PATH = None if _ENV == "auto" else _ENV
+# A float input takes a quantize pass of its own before this kernel; below this many rows the
+# extra launch costs more than quantizing in the implicit GEMM's prologue saves (the GEMMs'
+# measurement: ``schedules.candidates``).
+FLOAT_X_MIN_M = 128
+
+
+def default_path(M: int, x_quantized: bool, config) -> str | None:
+    """``conv1x1_path`` for a conv that ``fits`` when the caller names none: "tma" for a
+    ``Conv1x1Config``; "mma" (the implicit GEMM) for another schedule (a ``ConvConfig`` pins
+    the implicit GEMM: tuning, tests), for a float input of fewer than ``FLOAT_X_MIN_M`` rows
+    (a squeeze-excitation conv on 1x1 maps), or with ``QFUSE_CONV1X1_PATH=mma``; else None
+    (this kernel)."""
+    if isinstance(config, Conv1x1Config):
+        return "tma"
+    if config is not None or (not x_quantized and M < FLOAT_X_MIN_M):
+        return "mma"
+    return DEFAULT_PATH
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation, groups: int) -> bool:

@@ -67,9 +67,14 @@ def test_epilogues_and_split_k(calls, qdtype, split_k, epi_split, name):
 
 
 def test_auto_route_takes_the_tma_gemm(calls):
-    """C_in % 16 == 0, channels-last, 1x1 stride 1: the TMA GEMM with its own schedule."""
-    check(make_case("cpu", **{**SMALL, "c_in": 32}, act="relu"))
+    """C_in % 16 == 0, channels-last, 1x1 stride 1: the TMA GEMM with its own schedule, for a
+    quantized input or a float one of >= FLOAT_X_MIN_M rows (quantized in its own pass)."""
+    check(make_case("cpu", **{**SMALL, "c_in": 32}, act="relu", x_quantized=True))
     assert calls == [None]  # no config passed: conv1x1 picks (INTERPRETER_CONFIG here)
+    check(make_case("cpu", **{**SMALL, "c_in": 32, "hw": (8, 16)}, act="relu"))
+    assert len(calls) == 2
+    check(make_case("cpu", **{**SMALL, "c_in": 32}, act="relu"))  # float, 35 rows
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("spec", [
@@ -122,7 +127,7 @@ def test_traced_route_is_the_opaque_op(calls):
 def test_env_default_keeps_1x1_convs_on_the_implicit_gemm(calls, monkeypatch):
     """``QFUSE_CONV1X1_PATH=mma`` (read at import into ``DEFAULT_PATH``): no TMA conv."""
     monkeypatch.setattr(conv_tma, "DEFAULT_PATH", "mma")
-    check(make_case("cpu", **{**SMALL, "c_in": 32}, act="relu"))
+    check(make_case("cpu", **{**SMALL, "c_in": 32}, act="relu", x_quantized=True))
     assert calls == []
 
 
