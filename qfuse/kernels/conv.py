@@ -14,7 +14,8 @@ K is contiguous for the small-channel stem path (``FLAT_K``), where one K block 
 
 Depthwise convolutions (one input channel per group) run a direct kernel instead
 (``kernels.depthwise``), and stems (few input channels) a gather kernel whose K loop spans all
-taps (``kernels.stem``); ``qconv2d`` chooses (``conv_path``). All kernels end in
+taps (``kernels.stem``), and 1x1 stride-1 convs on a channels-last input a GEMM over tensor
+descriptors with split-K (``kernels.conv_tma``); ``qconv2d`` chooses (``conv_path``). All end in
 ``epilogue.conv_epilogue``, which repeats ``ops.reference.epilogue`` operation by operation
 (IEEE-exact ops only, ``enable_fp_fusion=False``), so int8 outputs are bit-identical to the
 reference.
