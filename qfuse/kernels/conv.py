@@ -14,7 +14,8 @@ K is contiguous for the small-channel stem path (``FLAT_K``), where one K block 
 
 Depthwise convolutions (one input channel per group) run a direct kernel instead
 (``kernels.depthwise``), and stems (few input channels) a gather kernel whose K loop spans all
-taps (``kernels.stem``); ``qconv2d`` chooses (``conv_path``). All kernels end in
+taps (``kernels.stem``), and 1x1 stride-1 convs on a channels-last input a GEMM over tensor
+descriptors with split-K (``kernels.conv_tma``); ``qconv2d`` chooses (``conv_path``). All end in
 ``epilogue.conv_epilogue``, which repeats ``ops.reference.epilogue`` operation by operation
 (IEEE-exact ops only, ``enable_fp_fusion=False``), so int8 outputs are bit-identical to the
 reference.
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import UnsupportedError
+from qfuse.kernels import conv_tma
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     ConvConfig,
@@ -228,12 +230,28 @@ STEM_PATHS = ("gather", "im2col", "flat")
 
 
 def conv_path(groups: int, c_in: int, c_out: int, cg_in: int, kh: int, kw: int,
-              stem_path: str | None) -> str:
-    """The kernel a conv runs on: "depthwise", "implicit" (``_qconv_kernel``), or one of
-    ``STEM_PATHS``. A kxk conv with fewer than 16 input channels and one group is a stem: its
-    implicit GEMM would gather one or two bytes per A element and per tap over channel tiles
-    mostly empty, so it runs on the stem kernel (``kernels.stem``); ``stem_path`` overrides
-    for any conv with one group."""
+              stem_path: str | None, gemm_fits: bool = False,
+              conv1x1_path: str | None = None) -> str:
+    """The kernel a conv runs on: "depthwise", "implicit" (``_qconv_kernel``), "gemm1x1"
+    (``conv_tma``) or one of ``STEM_PATHS``. A kxk conv with fewer than 16 input channels and
+    one group is a stem: its implicit GEMM would gather one or two bytes per A element and per
+    tap over channel tiles mostly empty, so it runs on the stem kernel (``kernels.stem``);
+    ``stem_path`` overrides for any conv with one group. A 1x1 stride-1 conv that is a plain
+    GEMM descriptors can read (``gemm_fits``: ``conv_tma.fits``) runs on the TMA GEMM;
+    ``conv1x1_path`` ("tma" / "mma", see ``conv_tma.CONV1X1_PATHS``) forces either kernel."""
+    if conv1x1_path is not None:
+        if conv1x1_path not in conv_tma.CONV1X1_PATHS or (conv1x1_path == "tma"
+                                                         and not gemm_fits):
+            raise UnsupportedError(
+                f"qconv2d: conv1x1_path={conv1x1_path!r} for a conv the TMA GEMM cannot run "
+                f"(it needs groups=1, a 1x1 kernel, stride 1, no padding or dilation, input "
+                f"channels a multiple of 16 (got {cg_in}) and a channels-last input); use one of "
+                f"{conv_tma.CONV1X1_PATHS} where it fits, or None to let the shape decide."
+            )
+        if conv1x1_path == "tma":
+            return "gemm1x1"
+    elif gemm_fits and stem_path is None:
+        return "gemm1x1"
     if stem_path is not None:
         if stem_path not in STEM_PATHS or groups != 1:
             raise UnsupportedError(
@@ -278,6 +296,7 @@ def qconv2d(
     residual_scale: torch.Tensor | None = None,
     residual_zero_point: torch.Tensor | None = None,
     fp8_promote: int | None = None,
+    conv1x1_path: str | None = None,
 ) -> torch.Tensor:
     """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
     layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
@@ -291,6 +310,10 @@ def qconv2d(
     numbers; see ``conv_path``).
     ``fp8_promote`` overrides the schedule's ``ConvConfig.fp8_promote`` (fp8 accumulation
     precision; capped at the tile's ``block_k``, since every ``tl.dot`` ends with a promotion).
+    A 1x1 stride-1 conv with C_in % 16 == 0 on a channels-last input runs on the TMA GEMM
+    (``conv_tma``: a float input quantized first; ``config`` then a ``conv_tma.Conv1x1Config``;
+    ``conv_tma.default_path`` says where it does not by default);
+    ``conv1x1_path`` ("tma" / "mma") forces that kernel or the implicit GEMM (same numbers).
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
@@ -313,7 +336,10 @@ def qconv2d(
         return out
     fp8 = weight.dtype == FP8
     x_quantized = x.dtype in (torch.int8, FP8)
-    path = conv_path(groups, c_in, c_out, cg_in, kh, kw, stem_path)
+    gemm_fits = conv_tma.fits(x, weight, stride, padding, dilation, groups)
+    if conv1x1_path is None and gemm_fits:
+        conv1x1_path = conv_tma.default_path(M, x_quantized, config)
+    path = conv_path(groups, c_in, c_out, cg_in, kh, kw, stem_path, gemm_fits, conv1x1_path)
     depthwise = path == "depthwise"
     use_im2col = path == "im2col"
     if path == "gather":
@@ -325,10 +351,18 @@ def qconv2d(
         config = config or pick_stem_config(c_out)
         if prequantize_input is None:
             prequantize_input = config.prequantize
-    elif isinstance(config, StemConfig):
+    elif path == "gemm1x1":
+        if config is not None and not isinstance(config, conv_tma.Conv1x1Config):
+            raise UnsupportedError(
+                f"qconv2d: config={config} for the 1x1 TMA GEMM; pass a conv_tma.Conv1x1Config "
+                "(or conv1x1_path='mma' to run a ConvConfig on the implicit GEMM)."
+            )
+        prequantize_input = True  # descriptors read int8/fp8 memory as it is
+    elif isinstance(config, (StemConfig, conv_tma.Conv1x1Config)):
         raise UnsupportedError(
-            f"qconv2d: a StemConfig for a conv that runs on the {path!r} path; pass a "
-            "ConvConfig, or stem_path='gather'."
+            f"qconv2d: a {type(config).__name__} for a conv that runs on the {path!r} path; "
+            "pass a ConvConfig (StemConfig: stem_path='gather'; Conv1x1Config: a 1x1 conv "
+            "conv_tma.fits)."
         )
     if prequantize_input is None:
         prequantize_input = kh * kw > 1 or depthwise  # the patch buffer then copies bytes
@@ -360,6 +394,11 @@ def qconv2d(
     wsum = dummy
     if x_zero_point is not None:
         wsum = weight.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
+    if path == "gemm1x1":
+        run = conv_tma.traced_conv1x1 if launcher is not None else conv_tma.conv1x1
+        return run(x, weight, scale, bias, x_zero_point, wsum if x_zero_point is not None
+                   else None, residual, residual_scale, residual_zero_point, out_inv_scale,
+                   out_zero_point, act, post_act, out_dtype, config, fp8_promote)
     if path == "gather":
         operands = (scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
                     opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),

@@ -100,7 +100,8 @@ def _impl(
     if x.device.type != "cpu" and resolve_backend(x.device) is Backend.TRITON:
         from qfuse.kernels.conv import qconv2d as kernel
 
-        # Traced (compile, export): wrap_triton puts the kernel itself into the graph. Plain
+        # Traced (compile, export): wrap_triton puts the kernel itself into the graph (a 1x1
+        # conv on the TMA GEMM: the opaque qfuse::tma_conv1x1, see kernels.conv_tma). Plain
         # eager: a direct launch; the wrapper's dispatch cost ~0.3 ms of host time per call.
         return kernel(*args, launcher=None if _eager(x) else torch.library.wrap_triton, **res_q)
     if x.device.type == "cpu" and resolve_backend(x.device) is Backend.TRITON:
