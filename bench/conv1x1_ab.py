@@ -139,7 +139,7 @@ def run_case(hw, c_in, c_out, role, count, qname, qdtype, device, tiny) -> list[
     for impl, kw, cfg in variants:
         row = dict(base, impl=impl)
         if impl == "tma":
-            cfg = conv_tma.pick_conv1x1_config(M, c_out, c_in, sms)
+            cfg = conv_tma.pick_conv1x1_config(M, c_out, c_in, sms, role == "res")
         if cfg is not None:
             row["config"] = dict(vars(cfg))
         fn = lambda kw=kw: conv.qconv2d(**args, **kw)  # noqa: E731

@@ -38,7 +38,8 @@ CL = torch.channels_last
 NETS = ("resnet50", "resnet18", "mobilenet_v3_small")
 CONFIGS = {"int8": qfuse.QConfig.int8_static, "fp8": qfuse.QConfig.fp8_static}
 FAMILIES = (  # first match wins: (family, substrings of the kernel name)
-    ("quantized conv", ("_qconv_kernel", "_dwconv_kernel", "_im2col_kernel", "_stem_kernel")),
+    ("quantized conv", ("_qconv_kernel", "_dwconv_kernel", "_im2col_kernel", "_stem_kernel",
+                        "_conv1x1_tma_kernel")),
     ("quantize", ("_prequantize_kernel", "quantize")),
     ("pooling", ("pool", "mean", "reduce_kernel", "triton_red", "triton_per")),
     ("float conv", ("fprop", "conv", "xmma", "cutlass", "implicit")),

@@ -174,14 +174,23 @@ def conv1x1_candidates(M: int, N: int, K: int, sms: int = SMS) -> list[Conv1x1Co
             for bm, bn, warps, stages, epi in _TILES]
 
 
-def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS) -> Conv1x1Config:
-    """The schedule ``qconv2d`` runs (no autotuning on the call path): 128x64 tiles for narrow
-    outputs (C_out <= 64: a 128-wide tile would be half empty), 128x128 where those tiles
-    alone fill the SMs, else 64x128 (twice the tiles) with split-K over the rest.
+def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS,
+                        residual: bool = False) -> Conv1x1Config:
+    """The schedule ``qconv2d`` runs (no autotuning on the call path), from every candidate
+    timed at resnet50's 1x1 shapes on an H200 (``bench/results/s12_h200/conv1x1_ab.json``):
+
+    - with a residual (a bottleneck's last conv: residual read, add, ReLU, requantize): 128x128
+      on 8 warps with the epilogue on column halves, which spilled registers without the split
+      (int8 28x28 128->512: 19.8 us against 32.3 for whole tiles; cuDNN bf16 37.9);
+    - else 128x64 tiles for narrow outputs (C_out <= 64: a 128-wide tile would be half empty),
+      128x128 where those tiles alone fill the SMs, else 64x128 (twice the tiles) with split-K
+      over the rest.
     ``bench/conv1x1_ab.py`` times every candidate against this choice."""
     if INTERPRETED:
         return INTERPRETER_CONFIG
     cands = conv1x1_candidates(M, N, K, sms)
+    if residual:
+        return cands[4]
     if N <= 64:
         return cands[1]
     if _tiles(M, N, 128, 128) >= sms:
@@ -278,9 +287,10 @@ def conv1x1(
     M = n * h * w
     if M == 0 or c_out == 0:
         return out
-    cfg = config or pick_conv1x1_config(M, c_out, c_in, sm_count(x.device))
+    cfg = config or pick_conv1x1_config(M, c_out, c_in, sm_count(x.device),
+                                         residual is not None)
     if fp8_promote is not None:
-        cfg = dataclasses.replace(cfg, fp8_promote=min(fp8_promote, cfg.block_k))
+        cfg = dataclasses.replace(cfg, fp8_promote=promotion(fp8_promote, cfg.block_k))
     fp8 = weight.dtype == FP8
     x2, w2 = _operands(x, weight)
     if residual is not None:  # read as [M, C] rows, like the output
@@ -355,6 +365,18 @@ def _(x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale
     return empty_nhwc((n, weight.shape[0], h, w), out_dtype, x.device)
 
 
+# The longest fp8 promotion interval a requested one is held to. Promoting every 128
+# K-elements missed the float32-accumulation bound ``tests/kernels/test_conv.py`` holds a
+# promoted conv to, on 1 of 200704 outputs (1.53x; 256->64 channels, H200, session 12); every 64
+# is what the implicit GEMM's 64-deep tiles gave, and passed.
+MAX_PROMOTE = 64
+
+
+def promotion(fp8_promote: int, block_k: int) -> int:
+    """The promotion interval a schedule with ``block_k`` runs for a requested one."""
+    return min(fp8_promote, block_k, MAX_PROMOTE) if fp8_promote else 0
+
+
 def traced_conv1x1(x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
                    residual_zero_point, out_inv_scale, out_zero_point, act, post_act,
                    out_dtype, config: Conv1x1Config | None = None,
@@ -362,9 +384,10 @@ def traced_conv1x1(x, weight, scale, bias, x_zero_point, weight_sum, residual, r
     """``conv1x1`` from a traced ``qfuse::qconv2d`` body: the schedule is chosen here (shapes
     are concrete there) and passed to the op as integers."""
     n, c_in, h, w = x.shape
-    cfg = config or pick_conv1x1_config(n * h * w, weight.shape[0], c_in, sm_count(x.device))
+    cfg = config or pick_conv1x1_config(n * h * w, weight.shape[0], c_in, sm_count(x.device),
+                                         residual is not None)
     if fp8_promote is not None:
-        cfg = dataclasses.replace(cfg, fp8_promote=min(fp8_promote, cfg.block_k))
+        cfg = dataclasses.replace(cfg, fp8_promote=promotion(fp8_promote, cfg.block_k))
     return torch.ops.qfuse.tma_conv1x1(
         x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
         residual_zero_point, out_inv_scale, out_zero_point, act, post_act, out_dtype,

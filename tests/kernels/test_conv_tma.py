@@ -188,14 +188,15 @@ def test_gpu_resnet_shapes(calls, shape, qdtype):
     check(make_case("cuda", qdtype=qdtype, out_dtype=out, act="relu", **shape))
     picked = calls[-1] or conv_tma.pick_conv1x1_config(
         shape["n"] * shape["hw"][0] * shape["hw"][1], shape["c_out"], shape["c_in"],
-        conv_tma.sm_count(torch.device("cuda")))
+        conv_tma.sm_count(torch.device("cuda")), shape.get("residual") is not None)
     if shape["c_in"] == 2048:
         assert picked.split_k > 1
     for c in conv_tma.conv1x1_candidates(shape["n"] * shape["hw"][0] * shape["hw"][1],
                                          shape["c_out"], shape["c_in"]):
         check(make_case("cuda", qdtype=qdtype, out_dtype=out, act="relu", **shape), config=c)
+    plain = {k: v for k, v in shape.items() if k not in ("residual", "post_act")}
     check(make_case("cuda", qdtype=qdtype, out_dtype=torch.float32, residual=True,
-                    post_act="relu", x_quantized=True, **shape))
+                    post_act="relu", x_quantized=True, **plain))
 
 
 @pytest.mark.gpu
