@@ -154,7 +154,7 @@ class Conv1x1Config:
 # The interpreter's cost grows with the tile: small tiles keep CI fast.
 INTERPRETER_CONFIG = Conv1x1Config(32, 32, 32, 4, 1)
 # (block_m, block_n, num_warps, num_stages, epi_split): the schedules ``conv1x1_candidates``
-# offers, the first three the ones ``pick_conv1x1_config`` chooses among.
+# offers; ``pick_conv1x1_config`` chooses among the first three and the fifth.
 _TILES = ((128, 128, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 4, 1), (128, 128, 4, 4, 1),
           (128, 128, 8, 3, 2), (128, 64, 4, 4, 2))
 
