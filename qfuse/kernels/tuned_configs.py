@@ -153,54 +153,73 @@ _ROWS = {
 }
 
 # BERT-base's and MiniLM's GEMMs (bench/encoder_gemms.py, timed by GPU time, with the epilogue
-# each layer has in the converted model): M=128 (batch 1 x 128 tokens) measured at commit 4b2a37b,
-# M=4096 (batch 32) at c4ef480, one H200; per-row timings in bench/results/
-# encoder_gemms_h200_m128.json and encoder_gemms_h200.json.
-# Two more fields: epi_split, persistent.
+# each layer has in the converted model; a GELU layer's row carries its epilogue in the key, as
+# ``tuning.cache_key`` builds it). Layers reading a float input (M=128 and 4096) measured at
+# commits 4b2a37b / c4ef480; layers reading int8/fp8 from the previous kernel (every layer of a
+# converted encoder) at M=4096 at cbedabb (bench/results/s12_h200/call2/encoder_gemms_m4096.json)
+# and at M=128 at 4538436 (bench/results/s11_h200/call3/encoder_gemms_m128.json), one H200.
+# The shorter rows leave out the trailing fields (see ``_DEFAULTS``): epi_split, persistent,
+# decode, tma.
 _ROWS.update({
     "NVIDIA H200|fp8-xf|M128|N384|K384": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
     "NVIDIA H200|fp8-xf|M128|N768|K768": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
     "NVIDIA H200|fp8-xf|M4096|N384|K384": (64, 64, 128, 8, 1, 4, 4, True, 1, False),
     "NVIDIA H200|fp8-xf|M4096|N768|K768": (128, 128, 64, 8, 1, 4, 3, True, 1, False),
-    "NVIDIA H200|fp8-xq|M128|N1152|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M128|N1536|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M128|N2304|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M128|N3072|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M128|N384|K1536": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M128|N768|K3072": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M4096|N1152|K384": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
-    "NVIDIA H200|fp8-xq|M4096|N1536|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M4096|N2304|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
-    "NVIDIA H200|fp8-xq|M4096|N3072|K768": (128, 128, 64, 8, 1, 4, 4, False, 2, False),
-    "NVIDIA H200|fp8-xq|M4096|N384|K1536": (64, 64, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|fp8-xq|M4096|N768|K3072": (128, 256, 128, 8, 1, 8, 3, False, 1, False),
     "NVIDIA H200|int8-xf|M128|N384|K384": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
     "NVIDIA H200|int8-xf|M128|N768|K768": (64, 128, 128, 8, 1, 4, 4, True, 1, False),
     "NVIDIA H200|int8-xf|M4096|N384|K384": (64, 64, 128, 8, 1, 4, 4, True, 1, False),
     "NVIDIA H200|int8-xf|M4096|N768|K768": (128, 128, 64, 8, 1, 4, 3, True, 1, False),
-    "NVIDIA H200|int8-xq|M128|N1152|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|int8-xq|M128|N1536|K384": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|int8-xq|M128|N2304|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|int8-xq|M128|N3072|K768": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|int8-xq|M128|N384|K1536": (64, 128, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|int8-xq|M128|N768|K3072": (64, 128, 128, 8, 4, 4, 4, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N1152|K384": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N1536|K384|gelu": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N2304|K768": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N3072|K768|gelu": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N384|K1536": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N384|K384": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N768|K3072": (64, 32, 128, 8, 4, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M128|N768|K768": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N1152|K384": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N1536|K384|gelu":
+        (128, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
+    "NVIDIA H200|fp8-xq|M4096|N2304|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|fp8-xq|M4096|N3072|K768|gelu":
+        (128, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
+    "NVIDIA H200|fp8-xq|M4096|N384|K1536": (64, 128, 128, 8, 1, 4, 4, False, 1, False, False, True),
+    "NVIDIA H200|fp8-xq|M4096|N384|K384": (64, 128, 128, 8, 1, 4, 3, False, 1, False, False, True),
+    "NVIDIA H200|fp8-xq|M4096|N768|K3072":
+        (128, 128, 128, 8, 1, 4, 3, False, 1, False, False, True),
+    "NVIDIA H200|fp8-xq|M4096|N768|K768": (128, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M128|N1152|K384": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N1536|K384|gelu": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N2304|K768": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N3072|K768|gelu": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N384|K1536": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N384|K384": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N768|K3072": (64, 32, 128, 8, 4, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M128|N768|K768": (64, 32, 128, 8, 1, 4, 3, False, 1, False),
     "NVIDIA H200|int8-xq|M4096|N1152|K384": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
-    "NVIDIA H200|int8-xq|M4096|N1536|K384": (128, 128, 64, 8, 1, 4, 4, False, 2, False),
-    "NVIDIA H200|int8-xq|M4096|N2304|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
-    "NVIDIA H200|int8-xq|M4096|N3072|K768": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
-    "NVIDIA H200|int8-xq|M4096|N384|K1536": (64, 64, 128, 8, 1, 4, 4, False, 1, False),
-    "NVIDIA H200|int8-xq|M4096|N768|K3072": (128, 128, 64, 8, 1, 4, 3, False, 1, False),
+    "NVIDIA H200|int8-xq|M4096|N1536|K384|gelu":
+        (128, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M4096|N2304|K768":
+        (64, 128, 128, 8, 1, 4, 3, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M4096|N3072|K768|gelu":
+        (128, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M4096|N384|K1536":
+        (64, 128, 128, 8, 1, 4, 4, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M4096|N384|K384": (64, 128, 128, 8, 1, 4, 3, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M4096|N768|K3072":
+        (128, 128, 128, 8, 1, 4, 3, False, 1, False, False, True),
+    "NVIDIA H200|int8-xq|M4096|N768|K768": (64, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
 })
 
 # Decode rows (M buckets 1..32, measured by bench/decode_gemm_ab.py) may add an 11th field,
 # decode: True selects ``decode_gemm._qlinear_decode_kernel`` (group_m, epi_split, persistent
-# unused).
-_DEFAULTS = (1, False, False)  # epi_split, persistent, decode for the shorter rows
+# unused); a 12th, tma: True selects ``tma_gemm._qlinear_tma_kernel``.
+_DEFAULTS = (1, False, False, False)  # epi_split, persistent, decode, tma for the shorter rows
 
 
 def _row(row: tuple) -> dict:
     row = row + _DEFAULTS[len(row) - 8:]
-    return dict(zip(_FIELDS + ("epi_split", "persistent", "decode"), row, strict=True))
+    return dict(zip(_FIELDS + ("epi_split", "persistent", "decode", "tma"), row, strict=True))
 
 
 TUNED: dict[str, dict] = {key: _row(row) for key, row in _ROWS.items()}

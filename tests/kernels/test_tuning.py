@@ -10,6 +10,7 @@ import torch
 
 import qfuse
 from qfuse.kernels import schedules, tuning
+from qfuse.kernels.common import ACTIVATION_CODES, LIGHT_ACTIVATIONS
 from qfuse.kernels.schedules import GemmConfig, m_bucket
 
 SMEM = 232448  # bytes of shared memory an H100/H200 block may use
@@ -103,10 +104,15 @@ def test_shipped_table_entries_are_valid_configs():
 
     assert TUNED, "the H200 table ships with the package"
     for key, row in TUNED.items():
-        gpu, kind, m, n, k = key.split("|")
+        gpu, kind, m, n, k, *epilogue = key.split("|")
         assert kind in ("int8-xf", "int8-xq", "fp8-xf", "fp8-xq")
         assert int(m[1:]) in (*schedules.M_BUCKETS, 2 * schedules.M_BUCKETS[-1])
-        GemmConfig(**row)
+        assert len(epilogue) <= 1 and all(
+            e in ACTIVATION_CODES and e not in LIGHT_ACTIVATIONS for e in epilogue)
+        assert key == tuning.cache_key(gpu, kind, int(m[1:]), int(n[1:]), int(k[1:]),
+                                       *epilogue)
+        cfg = GemmConfig(**row)
+        assert schedules.for_epilogue(cfg, bool(epilogue)) == cfg  # runs as measured
 
 
 def test_interpreter_gets_its_own_schedule():
