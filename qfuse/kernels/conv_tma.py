@@ -37,9 +37,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import ACTIVATION_CODES, dot_acc, tile_indices
 from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code, split_k_reduce
+from qfuse.kernels.grid import sm_count as _cuda_sm_count
+from qfuse.kernels.grid import split_k_locks
 from qfuse.kernels.layout import empty_nhwc
-from qfuse.kernels.qgemm import _locks, _sm_count
-from qfuse.kernels.schedules import _split_for
+from qfuse.kernels.schedules import split_for
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
@@ -165,12 +166,12 @@ def _tiles(M: int, N: int, bm: int, bn: int) -> int:
 
 def conv1x1_candidates(M: int, N: int, K: int, sms: int = SMS) -> list[Conv1x1Config]:
     """Every schedule worth timing for an [M, K] x [N, K] conv-GEMM, each with the split-K the
-    rule gives it (``schedules._split_for``: the smallest power of two that gives every SM a
+    rule gives it (``schedules.split_for``: the smallest power of two that gives every SM a
     program while each split keeps >= 4 K steps)."""
     block_k = 128 if K > 64 else 64 if K > 32 else 32
     k_tiles = -(-K // block_k)
     return [Conv1x1Config(bm, bn, block_k, warps, stages, epi_split=epi,
-                          split_k=_split_for(_tiles(M, N, bm, bn), k_tiles, sms))
+                          split_k=split_for(_tiles(M, N, bm, bn), k_tiles, sms))
             for bm, bn, warps, stages, epi in _TILES]
 
 
@@ -201,7 +202,7 @@ def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS,
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sm_count(device)
 
 
 # Ways to run a 1x1 stride-1 conv: "tma" (this kernel) or "mma" (``conv._qconv_kernel``).
@@ -302,7 +303,7 @@ def conv1x1(
                          dtype=torch.float32 if fp8 else torch.int32)
         # A graph being captured owns its buffers: fresh counters (the kernel re-zeroes them).
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        locks = _locks(x.device, tiles, capturing)
+        locks = split_k_locks(x.device, tiles, capturing)
     dummy = scale
     opt = lambda t: t if t is not None else dummy  # noqa: E731 - absent optional tensors
     grid_bits = float_grid(out_dtype)

@@ -18,7 +18,6 @@ it to the family of the schedule ``tuning`` picked, and launches it: plainly, th
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -27,31 +26,12 @@ from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import ACTIVATION_CODES, LIGHT_ACTIVATIONS, out_features
 from qfuse.kernels.epilogue import float_grid, output_code
 from qfuse.kernels.families import family
+from qfuse.kernels.grid import sm_count, split_k_locks
 from qfuse.kernels.schedules import GemmConfig
 from qfuse.kernels.tuning import pick_config
 
 # The @triton.jit decorator reads TRITON_INTERPRET when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# One self-resetting counter per output tile and device (split-K); 1 MiB of int32 covers every
-# grid used here (at most ~ 16k tiles). Launches on one device are stream-ordered in qfuse.
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _locks(device: torch.device, tiles: int, tracing: bool) -> torch.Tensor:
-    if tracing:  # a compiled graph owns its buffers: fresh zeros (the kernel re-zeroes them)
-        return torch.zeros(tiles, device=device, dtype=torch.int32)
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < tiles:
-        locks = torch.zeros(max(tiles, 1 << 18), device=device, dtype=torch.int32)
-        _LOCKS[device] = locks
-    return locks
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _grid0(cfg: GemmConfig, tiles, device: torch.device):
@@ -60,8 +40,7 @@ def _grid0(cfg: GemmConfig, tiles, device: torch.device):
     the grid). The interpreter runs a few persistent programs so each walks several tiles."""
     if not cfg.persistent:
         return tiles
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 3
+    return sm_count(device) if device.type == "cuda" else 3
 
 
 def _kernel(cfg: GemmConfig):
@@ -87,7 +66,7 @@ def gemm_args(
     if cfg.split_k > 1:
         acc_dtype = torch.float32 if weight.dtype == torch.float8_e4m3fn else torch.int32
         ws = torch.empty((cfg.split_k, M, N), device=x.device, dtype=acc_dtype)
-        locks = _locks(x.device, tiles, tracing)
+        locks = split_k_locks(x.device, tiles, tracing)
     out_q = output_code(out.dtype)
     grid_bits = float_grid(out.dtype)
     res = residual if residual is not None else out

@@ -13,12 +13,12 @@ import torch
 from qfuse.kernels import quantize as qz
 from qfuse.kernels.common import out_features
 from qfuse.kernels.families import family
+from qfuse.kernels.grid import split_k_locks
 from qfuse.kernels.launcher import build, raw_stream
 from qfuse.kernels.qgemm import (
     _grid0,
     _is_quantized,
     _kernel,
-    _locks,
     _schedule,
     gemm_args,
     launch,
@@ -55,7 +55,7 @@ class _Plan:
         if cfg.split_k > 1:
             ws = torch.empty((cfg.split_k, M, self.N), device=dev,
                              dtype=torch.float32 if self.qdtype != torch.int8 else torch.int32)
-            locks = _locks(dev, tiles, False)
+            locks = split_k_locks(dev, tiles, False)
         d = scale
         self.gemm(
             _grid0(cfg, tiles, dev), cfg.split_k, stream,

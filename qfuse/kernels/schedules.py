@@ -51,7 +51,7 @@ def m_bucket(M: int) -> int:
     return M_BUCKETS[-1] * 2
 
 
-def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
+def split_for(tiles: int, k_tiles: int, sms: int) -> int:
     """Smallest power-of-two split that gives at least one program per SM, each >= 4 K tiles."""
     split = 1
     while tiles * split < sms and k_tiles // (split * 2) >= 4:
@@ -82,7 +82,7 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     if b <= 256:
         for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (64, 256, 8)):
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-            split = _split_for(tiles, triton.cdiv(K, 128), sms)
+            split = split_for(tiles, triton.cdiv(K, 128), sms)
             for s in sorted({1, split}):
                 out.append(GemmConfig(bm, bn, 128, split_k=s, num_warps=warps, num_stages=4,
                                       prequantize=x_float))
@@ -152,7 +152,7 @@ def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
     pre = []
     for bn, bk, stages in shapes:
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        split = _split_for(tiles, triton.cdiv(K, bk), sms)
+        split = split_for(tiles, triton.cdiv(K, bk), sms)
         wide = bn == 32 or short
         splits = {split, split * 2} if wide else {split, max(1, split // 2), split * 2}
         for s in sorted(splits):
