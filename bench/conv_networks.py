@@ -1,6 +1,6 @@
 """Whole CNNs: where the time goes, qfuse int8/fp8 against bf16 channels-last, same run.
 
-    PYTHONPATH=. python bench/conv_networks.py --out bench/results/conv_networks_h200.json
+    PYTHONPATH=. python bench/conv_networks.py --out $OUT/conv_networks.json
     PYTHONPATH=. python bench/conv_networks.py --tiny --batches 2   # CPU smoke test
 
 torchvision resnet18, resnet50, mobilenet_v3_small (random weights; BatchNorm statistics

@@ -181,8 +181,8 @@ def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS,
     timed at resnet50's 1x1 shapes on an H200 (``bench/results/s12_h200/conv1x1_ab.json``):
 
     - with a residual (a bottleneck's last conv: residual read, add, ReLU, requantize): 128x128
-      on 8 warps with the epilogue on column halves, which spilled registers without the split
-      (int8 28x28 128->512: 19.8 us against 32.3 for whole tiles; cuDNN bf16 37.9);
+      on 8 warps with the epilogue on column halves (whole tiles spill registers there), the
+      fastest candidate at every residual shape;
     - else 128x64 tiles for narrow outputs (C_out <= 64: a 128-wide tile would be half empty),
       128x128 where those tiles alone fill the SMs, else 64x128 (twice the tiles) with split-K
       over the rest.
@@ -366,10 +366,10 @@ def _(x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale
     return empty_nhwc((n, weight.shape[0], h, w), out_dtype, x.device)
 
 
-# The longest fp8 promotion interval a requested one is held to. Promoting every 128
+# The longest fp8 promotion interval a requested one is held to: promoting every 128
 # K-elements missed the float32-accumulation bound ``tests/kernels/test_conv.py`` holds a
-# promoted conv to, on 1 of 200704 outputs (1.53x; 256->64 channels, H200, session 12); every 64
-# is what the implicit GEMM's 64-deep tiles gave, and passed.
+# promoted conv to (``test_gpu_real_shapes_promoted_fp8``); every 64, what the implicit GEMM's
+# 64-deep tiles give, meets it.
 MAX_PROMOTE = 64
 
 
