@@ -137,6 +137,8 @@ PLANS["decode"] = (
 # that explain it: batch-1 decode graphed and compiled.
 PLANS["generate"] = (
     ("generate", 1, "generate", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("generate", 1, "generate-trees", ("qfuse_int8", "qfuse_fp8")),
+    ("generate", 1, "generate-decodegraphs", ("bf16",)),
     ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
 )
@@ -591,8 +593,9 @@ def main(argv=None):
             if phase == "generate":
                 for impl in group:
                     if impl in models and impl in impls:
-                        generate_row(rows, out_path, impl, models[impl], batch, prompt,
-                                     bf16.config.vocab_size, device)
+                        with decode_machinery(models[impl], mode):
+                            generate_row(rows, out_path, impl, models[impl], batch, prompt,
+                                         bf16.config.vocab_size, device, mode)
                 continue
             if (phase, batch) not in steps:
                 step = Step(bf16.config, phase, batch, prompt, slots, device)
@@ -636,12 +639,37 @@ def main(argv=None):
 _GENERATED: dict = {}  # bf16's tokens per (batch, prompt): the agreement of the others
 
 
-def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device) -> None:
+@contextlib.contextmanager
+def decode_machinery(model, mode: str):
+    """What runs ``generate()``'s compiled decode steps. ``generate``: the model as a user has
+    it (a converted model carries qfuse's ``DecodeGraphs``; bf16 gets transformers' own
+    ``torch.compile(mode="reduce-overhead")``, CUDA-graph trees); ``generate-trees``:
+    transformers' own on any model; ``generate-decodegraphs``: qfuse's on any model (bf16's row
+    beside qfuse's: how much of qfuse's gain is the graphs' host time, how much its kernels)."""
+    from qfuse.integrations import decode_graphs
+
+    saved = model.__dict__.get("_compiled_call")
+    try:
+        if mode == "generate-trees":
+            model.__dict__.pop("_compiled_call", None)
+        elif mode == "generate-decodegraphs":
+            model._compiled_call = decode_graphs.DecodeGraphs(model)
+        yield
+    finally:
+        model.__dict__.pop("_compiled_call", None)
+        if saved is not None:
+            model._compiled_call = saved
+
+
+def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device,
+                 mode: str = "generate") -> None:
     """``model.generate(..., cache_implementation="static")`` greedy, as a user calls it
-    (transformers compiles the decode step itself for a static cache): wall time of
-    ``GENERATE_TOKENS`` new tokens (median of 3 after a warm-up that compiles), per-token
-    time from their difference; ``token_agree``: share of new tokens equal to bf16's."""
-    row = dict(impl=impl, mode="generate", phase="generate", batch=batch, seq=prompt)
+    (transformers compiles the decode step itself for a static cache), with the decode
+    machinery of ``mode`` (``decode_machinery``): wall time of ``GENERATE_TOKENS`` new tokens
+    (median of 3 after a warm-up that compiles), per-token time from their difference;
+    ``token_agree``: share of new tokens equal to bf16's; ``decode_graphs``: qfuse's graphs'
+    warm-ups, captures, replays and fallback calls over the row (no replays: not used)."""
+    row = dict(impl=impl, mode=mode, phase="generate", batch=batch, seq=prompt)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
     t_row = time.time()
@@ -672,10 +700,14 @@ def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device) -> N
             times[n] = sorted(walls)[1]
         per_token = (times[long] - times[short]) / (long - short)
         new = out[:, prompt:]
-        ref = _GENERATED.setdefault((batch, prompt), new) if impl == "bf16" else (
+        ref = _GENERATED.setdefault((batch, prompt), new) if impl == "bf16" and mode == (
+            "generate") else (
             _GENERATED.get((batch, prompt)))
         row.update(median_us=per_token * 1e6, tokens_per_s=batch / per_token,
                    wall_s_short=times[short], wall_s_long=times[long])
+        runner = model.__dict__.get("_compiled_call")
+        if hasattr(runner, "stats"):
+            row["decode_graphs"] = dict(runner.stats)
         if ref is not None:
             row["token_agree"] = (new == ref).double().mean().item()
     except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash

@@ -3,6 +3,8 @@ breaks and recompiles, for bf16 and qfuse on the TinyLlama-shape Llama of ``benc
 
     PYTHONPATH=. python bench/diag_generate.py --out $OUT/diag_generate.json
     PYTHONPATH=. python bench/diag_generate.py --tiny          # CPU smoke test
+    PYTHONPATH=. python bench/diag_generate.py \
+        --impls bf16,bf16:decodegraphs,qfuse_int8,qfuse_int8:trees
 
 For each impl: ``generate(cache_implementation="static")`` greedy as a user calls it (its first
 calls compile), then one call of ``--tokens`` new tokens under torch.profiler: wall time, summed
@@ -27,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from bench_llm import PROMPT, build, qfuse_model  # noqa: E402
+from bench_llm import PROMPT, build, decode_machinery, qfuse_model  # noqa: E402
 
 
 def host_profile(fn, tokens: int, top: int = 25) -> dict:
@@ -102,7 +104,9 @@ def profile_generate(model, ids, tokens: int, device: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--impls", default="bf16,qfuse_int8")
+    p.add_argument("--impls", default="bf16,qfuse_int8",
+                   help="impl[:trees|:decodegraphs], comma-separated: the decode machinery "
+                        "(default: as a user has the model; bench_llm.decode_machinery)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
@@ -115,13 +119,19 @@ def main(argv=None) -> None:
     # Every model is built before any generate(): transformers caches its compiled forward on
     # the model (``_compiled_call``), and a model converted from bf16 after bf16's generate
     # carried bf16's compiled call with it (the first H200 run timed bf16 twice).
+    runs = [(name, *(name.split(":") + ["generate"])[:2]) for name in args.impls.split(",")]
     models = {impl: bf16 if impl == "bf16" else qfuse_model(bf16, impl, bf16.config.vocab_size,
                                                             device)
-              for impl in args.impls.split(",")}
+              for impl in dict.fromkeys(base for _, base, _ in runs)}
     rows = []
-    for impl, model in models.items():
+    for impl, base, machinery in runs:
+        mode = "generate" if machinery == "generate" else f"generate-{machinery}"
         try:
-            row = dict(impl=impl, **profile_generate(model, ids, args.tokens, device))
+            with decode_machinery(models[base], mode):
+                row = dict(impl=impl, **profile_generate(models[base], ids, args.tokens, device))
+                runner = models[base].__dict__.get("_compiled_call")
+                if hasattr(runner, "stats"):
+                    row["decode_graphs"] = dict(runner.stats)
         except Exception as exc:  # noqa: BLE001 — a failing row is a result
             row = dict(impl=impl, error=harness.error_text(exc))
         rows.append(row)

@@ -46,6 +46,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from qfuse.config import QConfig
 from qfuse.errors import FormatError, QFuseError
 from qfuse.fusion.patterns import Skipped
+from qfuse.integrations import decode_graphs
 from qfuse.integrations.layout import LAYOUT_VERSION, describe, finish, rebuild
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
 
@@ -129,6 +130,7 @@ class QFuseHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         finish(model, self.quantization_config.modules)
         set_state(model, self.quantization_config.state())
+        decode_graphs.install(model)
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -175,11 +177,13 @@ def _storage(tensor: torch.Tensor) -> tuple:
 
 def attach(model) -> None:
     """Give a converted ``PreTrainedModel`` qfuse's quantizer, so that ``save_pretrained``
-    writes what ``from_pretrained`` rebuilds (or refuses, naming the module it cannot)."""
+    writes what ``from_pretrained`` rebuilds (or refuses, naming the module it cannot), and
+    ``generate()`` its decode graphs (``decode_graphs``)."""
     from transformers import PreTrainedModel  # not at import: modeling_utils imports us
 
     if isinstance(model, PreTrainedModel):
         model.hf_quantizer = QFuseHfQuantizer(QFuseConfig(), pre_quantized=True)
+        decode_graphs.install(model)
 
 
 def register() -> None:
