@@ -137,8 +137,8 @@ PLANS["decode"] = (
 # that explain it: batch-1 decode graphed and compiled.
 PLANS["generate"] = (
     ("generate", 1, "generate", ("bf16", "qfuse_int8", "qfuse_fp8")),
-    ("generate", 1, "generate-trees", ("qfuse_int8", "qfuse_fp8")),
     ("generate", 1, "generate-decodegraphs", ("bf16",)),
+    ("generate", 1, "generate-trees", ("qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
 )
@@ -146,6 +146,9 @@ PLANS["all"] = PLANS["graph"] + PLANS["compile"]
 # New tokens of the two timed generate() calls: their difference over the extra tokens is the
 # per-token time, without the prefill and the first call's setup.
 GENERATE_TOKENS = (16, 80)
+# Calls of each length timed (the median is used): at batch 1 the step is host-bound, and the
+# host's pace drifts by tens of percent between calls on the device VMs.
+GENERATE_REPEATS = 7
 
 # Kernel classes by name, first match wins. Inductor names fused kernels after their ops (a
 # fused RMSNorm has rsqrt in its name); cuBLAS on Hopper names GEMMs nvjet_* / gemv*.
@@ -592,7 +595,11 @@ def main(argv=None):
                 continue
             if phase == "generate":
                 for impl in group:
-                    if impl in models and impl in impls:
+                    if time.time() - t_start > args.budget_s:
+                        rows.append(dict(impl=impl, mode=mode, phase=phase, batch=batch,
+                                         seq=prompt, error=f"not run: the {args.budget_s:.0f} "
+                                         "s budget of this run was spent"))
+                    elif impl in models and impl in impls:
                         with decode_machinery(models[impl], mode):
                             generate_row(rows, out_path, impl, models[impl], batch, prompt,
                                          bf16.config.vocab_size, device, mode)
@@ -666,9 +673,9 @@ def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device,
     """``model.generate(..., cache_implementation="static")`` greedy, as a user calls it
     (transformers compiles the decode step itself for a static cache), with the decode
     machinery of ``mode`` (``decode_machinery``): wall time of ``GENERATE_TOKENS`` new tokens
-    (median of 3 after a warm-up that compiles), per-token time from their difference;
-    ``token_agree``: share of new tokens equal to bf16's; ``decode_graphs``: qfuse's graphs'
-    warm-ups, captures, replays and fallback calls over the row (no replays: not used)."""
+    (median of ``GENERATE_REPEATS`` after a warm-up that compiles), per-token time from their
+    difference; ``token_agree``: share of new tokens equal to bf16's; ``decode_graphs``: qfuse's
+    graphs' warm-ups, captures, replays and fallback calls over the row (no replays: not used)."""
     row = dict(impl=impl, mode=mode, phase="generate", batch=batch, seq=prompt)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
@@ -691,13 +698,13 @@ def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device,
         times = {}
         for n in GENERATE_TOKENS:
             walls = []
-            for _ in range(3):
+            for _ in range(GENERATE_REPEATS):
                 sync()
                 t0 = time.perf_counter()
                 gen(n)
                 sync()
                 walls.append(time.perf_counter() - t0)
-            times[n] = sorted(walls)[1]
+            times[n] = sorted(walls)[GENERATE_REPEATS // 2]
         per_token = (times[long] - times[short]) / (long - short)
         new = out[:, prompt:]
         ref = _GENERATED.setdefault((batch, prompt), new) if impl == "bf16" and mode == (

@@ -9,7 +9,8 @@ breaks and recompiles, for bf16 and qfuse on the TinyLlama-shape Llama of ``benc
 For each impl: ``generate(cache_implementation="static")`` greedy as a user calls it (its first
 calls compile), then one call of ``--tokens`` new tokens under torch.profiler: wall time, summed
 GPU kernel time and kernel count per new token, the top kernels, and Dynamo's counters (graph
-breaks, unique graphs) collected over the whole run. A per-token wall well above the GPU time
+breaks, unique graphs) collected over the whole run; ``decode_call_host_us``, the host time of
+the compiled decode call alone (``timed_decode_calls``). A per-token wall well above the GPU time
 is host time (Python, launches) that no kernel can win back; ``cudagraph_skips`` counts the
 compiled graphs Inductor ran without CUDA graphs; ``host`` is Python's own profile per token
 (own and cumulative times), ``wall_us_per_token_no_guards`` the wall with Dynamo's guards
@@ -51,6 +52,43 @@ def host_profile(fn, tokens: int, top: int = 25) -> dict:
                     for _, ct, nc, name in sorted(rows, key=lambda r: -r[1])[:top]])
 
 
+def timed_decode_calls(model, gen, tokens: int) -> dict:
+    """Host time of the compiled decode call itself (transformers' torch.compile wrapper or
+    qfuse's DecodeGraphs): from the call to its return, which for both is after the graph's
+    launch and before the GPU finishes. Per token, from a long minus a short generate(); the rest
+    of the per-token wall is transformers' loop and the GPU."""
+    real = model.get_compiled_call
+    spent = [0.0, 0]
+
+    def patched(config):
+        fn = real(config)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[0] += time.perf_counter() - t0
+            spent[1] += 1
+            return out
+
+        return timed
+
+    model.get_compiled_call = patched
+    try:
+        gen(tokens)  # warm (this wrapper is new to Dynamo only outside the compiled region)
+        per = {}
+        for n in (tokens, 3 * tokens):
+            spent[:] = [0.0, 0]
+            gen(n)
+            per[n] = tuple(spent)
+    finally:
+        del model.get_compiled_call
+    calls = per[3 * tokens][1] - per[tokens][1]
+    if not calls:  # transformers compiles the decode step on a GPU only
+        return dict(decode_call_host_us=None, decode_calls=0)
+    return dict(decode_call_host_us=(per[3 * tokens][0] - per[tokens][0]) / calls * 1e6,
+                decode_calls=calls)
+
+
 def profile_generate(model, ids, tokens: int, device: str) -> dict:
     from torch._dynamo.utils import counters
 
@@ -89,6 +127,7 @@ def profile_generate(model, ids, tokens: int, device: str) -> dict:
             row["wall_us_per_token_no_guards"] = per_token()
     except Exception as exc:  # noqa: BLE001 — older torch: no such stance
         row["wall_us_per_token_no_guards"] = harness.error_text(exc)
+    row.update(timed_decode_calls(model, gen, tokens))
     row["host"] = host_profile(lambda: gen(tokens), tokens)
     if device == "cuda":
         kernels = harness.cuda_kernels(lambda: gen(tokens))

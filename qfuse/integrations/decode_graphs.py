@@ -70,7 +70,23 @@ def install(model) -> DecodeGraphs | None:
 
 
 def _is_cache(x) -> bool:
-    return hasattr(x, "is_compileable") and not isinstance(x, torch.Tensor)
+    # the class attribute: an instance's is_compileable is a property that walks the layers
+    return (getattr(type(x), "is_compileable", None) is not None
+            and not isinstance(x, torch.Tensor))
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, object]:
+    """(leaves, spec). A decode step's keyword arguments are leaves already: keyed by their
+    names (hashing a pytree spec every call costs more than the rest of the key)."""
+    if not args and not any(isinstance(v, (dict, list, tuple)) for v in kwargs.values()):
+        return list(kwargs.values()), tuple(kwargs)
+    return pytree.tree_flatten((args, kwargs), is_leaf=_is_cache)
+
+
+def _unflatten(leaves: list, spec) -> tuple[tuple, dict]:
+    if isinstance(spec, tuple):
+        return (), dict(zip(spec, leaves, strict=True))
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _leaf_key(x):
@@ -113,10 +129,12 @@ def _module_slots(model: torch.nn.Module) -> list:
     return slots
 
 
-def _ptrs_equal(tensors: list, ptrs: list) -> bool:
-    check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if check is not None:
-        return check(tensors, ptrs, list(range(len(tensors))))
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
+
+
+def _ptrs_equal(tensors: list, ptrs: list, indices: list) -> bool:
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(tensors, ptrs, indices)
     return [t.data_ptr() for t in tensors] == ptrs
 
 
@@ -138,6 +156,7 @@ class _Entry:
         self.objs: tuple = ()
         self.tensors: list = []
         self.ptrs: list = []
+        self.indices: list = []
 
     def leaves(self, leaves: list) -> list:
         """The call's leaves with its tensors replaced by the static buffers."""
@@ -160,6 +179,7 @@ class _Entry:
             (tuple(z) for z in zip(*slots, strict=True)) if slots else ((),) * 3)
         self.tensors = [v for v in self.objs if isinstance(v, torch.Tensor)]
         self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.indices = list(range(len(self.tensors)))
         self.caches = [weakref.ref(c) for c in caches]
 
     def dead(self) -> bool:
@@ -169,13 +189,23 @@ class _Entry:
         return (len(caches) == len(self.caches)
                 and all(r() is c for r, c in zip(self.caches, caches, strict=True))
                 and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objs))
-                and _ptrs_equal(self.tensors, self.ptrs))
+                and _ptrs_equal(self.tensors, self.ptrs, self.indices))
 
     def result(self, caches: list):
         """The graph's output for this call: its own tensors copied (the next replay overwrites
         them), the model's and the cache's tensors as they are, the call's cache objects."""
         flat = [x.clone() if k == "clone" else x if k == "as is" else caches[k]
                 for x, k in zip(self.out_flat, self.out_kind, strict=True)]
+        if isinstance(self.out_spec, tuple):  # a flat ModelOutput: rebuilt without __init__
+            cls, names, attrs = self.out_spec
+            out = cls.__new__(cls)
+            values = dict(zip(names, flat, strict=True))
+            collections.OrderedDict.__init__(out)
+            for k, v in values.items():
+                collections.OrderedDict.__setitem__(out, k, v)
+            out.__dict__.update(attrs)
+            out.__dict__.update(values)
+            return out
         return pytree.tree_unflatten(flat, self.out_spec)
 
 
@@ -241,7 +271,7 @@ class DecodeGraphs:
     # -- a call -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         compiled = self._compiled_fn()
-        leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=_is_cache)
+        leaves, spec = _flatten(args, kwargs)
         key = self._key(leaves, spec) if compiled else None
         if key is None:
             self.stats["fallback"] += 1
@@ -258,7 +288,7 @@ class DecodeGraphs:
             while len(self._entries) > MAX_GRAPHS:
                 self._entries.popitem(last=False)
             self.stats["warm"] += 1
-            a, kw = pytree.tree_unflatten(entry.leaves(leaves), spec)
+            a, kw = _unflatten(entry.leaves(leaves), spec)
             return compiled(*a, **kw)
         self._entries.move_to_end(key)
         if entry.off:
@@ -267,8 +297,7 @@ class DecodeGraphs:
         entry.copy_in(leaves)
         if entry.graph is None:
             try:
-                self._capture(entry, compiled, pytree.tree_unflatten(entry.leaves(leaves), spec),
-                              caches)
+                self._capture(entry, compiled, _unflatten(entry.leaves(leaves), spec), caches)
             except Exception as exc:  # noqa: BLE001 - any capture failure: run uncaptured
                 entry.off, entry.graph = True, None
                 if not self._warned:
@@ -303,7 +332,14 @@ class DecodeGraphs:
             raise RuntimeError("the model or its cache holds tensors on another device")
         args, kwargs = call
         entry.graph, output = self.capture(lambda: compiled(*args, **kwargs), device)
-        flat, entry.out_spec = pytree.tree_flatten(output, is_leaf=_is_cache)
+        if (isinstance(output, dict) and type(output) is not dict
+                and not any(isinstance(v, (dict, list, tuple)) for v in output.values())):
+            # a ModelOutput (an OrderedDict whose fields are also attributes) of leaves
+            flat = list(output.values())
+            entry.out_spec = (type(output), tuple(output), {
+                k: v for k, v in output.__dict__.items() if k not in output})
+        else:
+            flat, entry.out_spec = pytree.tree_flatten(output, is_leaf=_is_cache)
         external = {t.untyped_storage().data_ptr() for t in entry.tensors + entry.static}
         cache_ids = [id(c) for c in caches]
         entry.out_kind = [
