@@ -54,11 +54,13 @@ def host_profile(fn, tokens: int, top: int = 25) -> dict:
 
 def timed_decode_calls(model, gen, tokens: int) -> dict:
     """Host time of the compiled decode call itself (transformers' torch.compile wrapper or
-    qfuse's DecodeGraphs): from the call to its return, which for both is after the graph's
-    launch and before the GPU finishes. Per token, from a long minus a short generate(); the rest
-    of the per-token wall is transformers' loop and the GPU."""
+    qfuse's DecodeGraphs), from the call to its return: for both that is after the graph's
+    launch, before the GPU is done. The median over one ``generate(3 * tokens)``'s steady calls
+    (each call after a generate's first two: those compile, warm up or capture), so that the
+    VM's drift between calls does not move it; the rest of a token's wall is transformers' loop
+    and the GPU."""
     real = model.get_compiled_call
-    spent = [0.0, 0]
+    spent: list[float] = []
 
     def patched(config):
         fn = real(config)
@@ -66,27 +68,24 @@ def timed_decode_calls(model, gen, tokens: int) -> dict:
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            spent[0] += time.perf_counter() - t0
-            spent[1] += 1
+            spent.append(time.perf_counter() - t0)
             return out
 
         return timed
 
     model.get_compiled_call = patched
     try:
-        gen(tokens)  # warm (this wrapper is new to Dynamo only outside the compiled region)
-        per = {}
-        for n in (tokens, 3 * tokens):
-            spent[:] = [0.0, 0]
-            gen(n)
-            per[n] = tuple(spent)
+        gen(tokens)
+        spent.clear()
+        gen(3 * tokens)
     finally:
         del model.get_compiled_call
-    calls = per[3 * tokens][1] - per[tokens][1]
-    if not calls:  # transformers compiles the decode step on a GPU only
+    steady = sorted(spent[2:])
+    if not steady:  # transformers compiles the decode step on a GPU only
         return dict(decode_call_host_us=None, decode_calls=0)
-    return dict(decode_call_host_us=(per[3 * tokens][0] - per[tokens][0]) / calls * 1e6,
-                decode_calls=calls)
+    return dict(decode_call_host_us=steady[len(steady) // 2] * 1e6,
+                decode_call_host_us_p90=steady[int(len(steady) * 0.9)] * 1e6,
+                decode_calls=len(steady))
 
 
 def profile_generate(model, ids, tokens: int, device: str) -> dict:
