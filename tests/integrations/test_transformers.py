@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qfuse
+from qfuse.integrations.decode_graphs import DecodeGraphs
 from qfuse.nn import QLinear
 from qfuse.nn.base import QuantizedModule
 from qfuse.nn.siblings import QSibling
@@ -118,6 +119,10 @@ def test_save_pretrained_from_pretrained_round_trip(tmp_path, name, config_name)
         with torch.no_grad():
             assert torch.equal(loaded.generate(x["input_ids"], **greedy),
                                qmodel.generate(x["input_ids"], **greedy))
+        # generate()'s decode steps go through qfuse's graphs on a loaded (or pickled) model too
+        for model in (qmodel, loaded, pickled):
+            runner = model.__dict__.get("_compiled_call")
+            assert isinstance(runner, DecodeGraphs) and runner._model() is model
 
 
 def test_save_pretrained_refuses_what_it_cannot_describe(tmp_path):
