@@ -22,8 +22,9 @@ What a captured graph assumes, checked before every replay:
   tensor-attribute objects at the same addresses (``load_state_dict`` copies in place and keeps
   the graph; ``to()``, swapping a module or assigning new tensors make the next call capture
   again);
-- the cache is the object captured and its tensors have not moved (``generate`` resets and
-  reuses its static cache across calls);
+- the cache is the object captured and its tensors are the captured ones, unmoved (a graph
+  holds them weakly: a dropped cache's memory is freed, and its graph goes with the next
+  capture);
 - every other input tensor has the captured shape, strides, dtype and device (its values are
   copied in) and every other input is equal.
 Not checked: a module's plain Python settings (a layer's activation name); call ``reset()``
@@ -100,7 +101,7 @@ def _leaf_key(x):
 
 
 def _object_slots(obj, seen: set, depth: int = 3) -> list:
-    """``(dict, name, tensor)`` for every tensor in ``obj.__dict__``, through lists, tuples and
+    """``(owner, name, tensor)`` for every tensor in ``obj.__dict__``, through lists, tuples and
     plain objects ``depth`` deep: a cache's layers and their key/value tensors."""
     slots = []
     d = getattr(obj, "__dict__", None)
@@ -109,7 +110,7 @@ def _object_slots(obj, seen: set, depth: int = 3) -> list:
     seen.add(id(obj))
     for name, v in d.items():
         if isinstance(v, torch.Tensor):
-            slots.append((d, name, v))
+            slots.append((obj, name, v))
         elif depth and isinstance(v, (list, tuple)):
             for item in v:
                 slots += _object_slots(item, seen, depth - 1)
@@ -154,6 +155,8 @@ class _Entry:
         self.dicts: tuple = ()
         self.names: tuple = ()
         self.objs: tuple = ()
+        # the caches' tensors, weakly: a graph must not keep a dropped cache's memory alive
+        self.cache_slots: list = []
         self.tensors: list = []
         self.ptrs: list = []
         self.indices: list = []
@@ -169,27 +172,38 @@ class _Entry:
         if self.static:
             torch._foreach_copy_(self.static, [leaves[i] for i in self.tensor_idx])
 
-    def record(self, model, caches: list) -> None:
-        """What the graph bakes in: the module tree's objects and the caches' tensors."""
-        seen: set = set()
+    def record(self, model, caches: list) -> list:
+        """What the graph bakes in: the module tree's objects (held: the model holds them
+        anyway) and the caches' tensors (weakly). Returns the caches' tensors."""
         slots = _module_slots(model)
-        for c in caches:
-            slots += _object_slots(c, seen)
         self.dicts, self.names, self.objs = (
             (tuple(z) for z in zip(*slots, strict=True)) if slots else ((),) * 3)
         self.tensors = [v for v in self.objs if isinstance(v, torch.Tensor)]
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self.indices = list(range(len(self.tensors)))
+        seen: set = set()
+        cache_slots = [slot for c in caches for slot in _object_slots(c, seen)]
+        self.cache_slots = [(weakref.ref(o), name, weakref.ref(t)) for o, name, t in cache_slots]
+        cache_tensors = [t for _, _, t in cache_slots]
+        self.ptrs = [t.data_ptr() for t in self.tensors + cache_tensors]
+        self.indices = list(range(len(self.ptrs)))
         self.caches = [weakref.ref(c) for c in caches]
+        return cache_tensors
 
     def dead(self) -> bool:
         return any(r() is None for r in self.caches)
 
     def valid(self, caches: list) -> bool:
-        return (len(caches) == len(self.caches)
+        if not (len(caches) == len(self.caches)
                 and all(r() is c for r, c in zip(self.caches, caches, strict=True))
-                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objs))
-                and _ptrs_equal(self.tensors, self.ptrs, self.indices))
+                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objs))):
+            return False
+        current = []
+        for owner, name, ref in self.cache_slots:
+            o = owner()
+            t = None if o is None else o.__dict__.get(name)
+            if t is None or t is not ref():
+                return False
+            current.append(t)
+        return _ptrs_equal(self.tensors + current, self.ptrs, self.indices)
 
     def result(self, caches: list):
         """The graph's output for this call: its own tensors copied (the next replay overwrites
@@ -326,9 +340,9 @@ class DecodeGraphs:
             return None
 
     def _capture(self, entry: _Entry, compiled, call: tuple, caches: list) -> None:
-        entry.record(self._model(), caches)
+        cache_tensors = entry.record(self._model(), caches)
         device = entry.static[0].device
-        if any(t.device != device for t in entry.tensors):
+        if any(t.device != device for t in entry.tensors + cache_tensors):
             raise RuntimeError("the model or its cache holds tensors on another device")
         args, kwargs = call
         entry.graph, output = self.capture(lambda: compiled(*args, **kwargs), device)
@@ -340,7 +354,8 @@ class DecodeGraphs:
                 k: v for k, v in output.__dict__.items() if k not in output})
         else:
             flat, entry.out_spec = pytree.tree_flatten(output, is_leaf=_is_cache)
-        external = {t.untyped_storage().data_ptr() for t in entry.tensors + entry.static}
+        external = {t.untyped_storage().data_ptr()
+                    for t in entry.tensors + entry.static + cache_tensors}
         cache_ids = [id(c) for c in caches]
         entry.out_kind = [
             cache_ids.index(id(x)) if id(x) in cache_ids

@@ -8,8 +8,10 @@ signature, the rest replays; a replaced weight or a new cache captures again, an
 update does not; ineligible calls take the fallback; copies and pickles carry no graph."""
 
 import copy
+import gc
 import pickle
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -165,6 +167,25 @@ def test_graphs_of_dropped_caches_are_dropped(qmodel):
     assert key not in runner._entries and len(runner._entries) == 1
     runner.reset()
     assert not runner._entries
+
+
+def test_a_graph_holds_its_cache_weakly(qmodel):
+    """A graph checks the cache's tensors before a replay but does not keep them: a dropped
+    cache's memory (gigabytes on a large model) is freed at once, not at the next capture."""
+    model, ids = qmodel
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    entry = decode_graphs._Entry([ids])
+    tensors = entry.record(model, [cache])
+    assert len(tensors) >= 2 * model.config.num_hidden_layers and entry.valid([cache])
+    layer = cache.layers[0]
+    layer.keys = layer.keys.clone()  # a cache tensor replaced: the graph would write the old one
+    assert not entry.valid([cache])
+    probe = weakref.ref(tensors[-1])
+    del tensors, layer, cache
+    gc.collect()
+    assert probe() is None and entry.dead()
 
 
 def test_ineligible_calls_fall_back(qmodel):
