@@ -668,6 +668,13 @@ def decode_machinery(model, mode: str):
             model._compiled_call = saved
 
 
+def decode_graph_stats(model) -> dict:
+    """``{"decode_graphs": counts}`` of the model's ``DecodeGraphs`` (warm-ups, captures,
+    replays, fallback calls), or nothing when transformers' own compiled call runs."""
+    runner = model.__dict__.get("_compiled_call")
+    return {"decode_graphs": dict(runner.stats)} if hasattr(runner, "stats") else {}
+
+
 def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device,
                  mode: str = "generate") -> None:
     """``model.generate(..., cache_implementation="static")`` greedy, as a user calls it
@@ -707,14 +714,12 @@ def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device,
             times[n] = sorted(walls)[GENERATE_REPEATS // 2]
         per_token = (times[long] - times[short]) / (long - short)
         new = out[:, prompt:]
-        ref = _GENERATED.setdefault((batch, prompt), new) if impl == "bf16" and mode == (
-            "generate") else (
-            _GENERATED.get((batch, prompt)))
+        if impl == "bf16" and mode == "generate":
+            _GENERATED.setdefault((batch, prompt), new)
+        ref = _GENERATED.get((batch, prompt))
         row.update(median_us=per_token * 1e6, tokens_per_s=batch / per_token,
                    wall_s_short=times[short], wall_s_long=times[long])
-        runner = model.__dict__.get("_compiled_call")
-        if hasattr(runner, "stats"):
-            row["decode_graphs"] = dict(runner.stats)
+        row.update(decode_graph_stats(model))
         if ref is not None:
             row["token_agree"] = (new == ref).double().mean().item()
     except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash

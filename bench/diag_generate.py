@@ -30,7 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from bench_llm import PROMPT, build, decode_machinery, qfuse_model  # noqa: E402
+from bench_llm import (  # noqa: E402
+    PROMPT,
+    build,
+    decode_graph_stats,
+    decode_machinery,
+    qfuse_model,
+)
 
 
 def host_profile(fn, tokens: int, top: int = 25) -> dict:
@@ -166,10 +172,8 @@ def main(argv=None) -> None:
         mode = "generate" if machinery == "generate" else f"generate-{machinery}"
         try:
             with decode_machinery(models[base], mode):
-                row = dict(impl=impl, **profile_generate(models[base], ids, args.tokens, device))
-                runner = models[base].__dict__.get("_compiled_call")
-                if hasattr(runner, "stats"):
-                    row["decode_graphs"] = dict(runner.stats)
+                row = dict(impl=impl, **profile_generate(models[base], ids, args.tokens, device),
+                           **decode_graph_stats(models[base]))
         except Exception as exc:  # noqa: BLE001 — a failing row is a result
             row = dict(impl=impl, error=harness.error_text(exc))
         rows.append(row)

@@ -288,8 +288,7 @@ class DecodeGraphs:
         leaves, spec = _flatten(args, kwargs)
         key = self._key(leaves, spec) if compiled else None
         if key is None:
-            self.stats["fallback"] += 1
-            return self._fallback_fn()(*args, **kwargs)
+            return self._fall_back(args, kwargs)
         caches = [x for x in leaves if _is_cache(x)]
         entry = self._entries.get(key)
         if entry is not None and entry.graph is not None and not entry.valid(caches):
@@ -306,8 +305,7 @@ class DecodeGraphs:
             return compiled(*a, **kw)
         self._entries.move_to_end(key)
         if entry.off:
-            self.stats["fallback"] += 1
-            return self._fallback_fn()(*args, **kwargs)
+            return self._fall_back(args, kwargs)
         entry.copy_in(leaves)
         if entry.graph is None:
             try:
@@ -319,11 +317,14 @@ class DecodeGraphs:
                     warnings.warn(f"qfuse DecodeGraphs: capture failed ({type(exc).__name__}: "
                                   f"{exc}); this input signature runs torch.compile's call.",
                                   stacklevel=2)
-                self.stats["fallback"] += 1
-                return self._fallback_fn()(*args, **kwargs)
+                return self._fall_back(args, kwargs)
         entry.graph.replay()
         self.stats["replay"] += 1
         return entry.result(caches)
+
+    def _fall_back(self, args: tuple, kwargs: dict):
+        self.stats["fallback"] += 1
+        return self._fallback_fn()(*args, **kwargs)
 
     def _key(self, leaves: list, spec) -> tuple | None:
         """The call's signature, or None when the graphs cannot take it."""
@@ -354,8 +355,9 @@ class DecodeGraphs:
                 k: v for k, v in output.__dict__.items() if k not in output})
         else:
             flat, entry.out_spec = pytree.tree_flatten(output, is_leaf=_is_cache)
-        external = {t.untyped_storage().data_ptr()
-                    for t in entry.tensors + entry.static + cache_tensors}
+        # the model's and the cache's memory is returned as it is; the graph's own (static
+        # inputs included: the next call copies into them) is copied out
+        external = {t.untyped_storage().data_ptr() for t in entry.tensors + cache_tensors}
         cache_ids = [id(c) for c in caches]
         entry.out_kind = [
             cache_ids.index(id(x)) if id(x) in cache_ids
