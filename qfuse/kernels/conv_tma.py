@@ -20,7 +20,7 @@ workspace [SPLIT_K, M, C_out], and the tile's last arriving program adds the par
 order (``epilogue.split_k_reduce``: deterministic) and runs the epilogue.
 
 Traced calls (``torch.compile``) cannot build descriptors inside a ``triton_op`` body (see
-``tma_launch``), so there the launch is the opaque op ``qfuse::tma_conv1x1``.
+``opaque_launch``), so there the launch is the opaque op ``qfuse::tma_conv1x1``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ and ``X_WORDS`` constexprs), so the eager cached launch and ``wrap_triton`` take
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +61,36 @@ def dp4a(a, b, c):
             "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
             dtype=tl.int32, is_pure=True, pack=1,
         )
+
+
+# Programmatic dependent launch (sm_90+): a decode step is ~90 of these GEMMs back to back, each
+# a few microseconds of weight streaming, so the gap between one kernel's last program and the
+# next one's first loads is a large part of each. Launched with the attribute, the next kernel's
+# programs start while this one drains and stream their first weights before they wait.
+# ``QFUSE_PDL=0`` turns it off (an A/B switch; also read by ``families``).
+PDL_ENABLED = os.environ.get("QFUSE_PDL", "1") != "0"
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether decode launches on ``device`` use programmatic dependent launch."""
+    if not PDL_ENABLED or INTERPRETED or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None
+                       else torch.cuda.current_device()) >= 9
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Wait for the kernel this one depends on (its writes visible after this), then let the
+    kernel after this one be scheduled as programs finish (its own wait keeps it correct)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -117,13 +150,18 @@ def decode_accumulate(
     stride_xm, stride_xk, stride_wn, stride_wk,
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
     HAS_X_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr, X_WORDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """acc [BM, BN] = x_q[offs_m, K-steps k_first..k_end) @ W[cols, same]^T.
 
     ``cols`` are in-range row indices of W (the caller clamps past-the-edge ones), so only the
     K tail is masked, and not at all when ``EVEN_K``. Each step's weights are loaded one step
     ahead (``w_next``), so a program keeps a load in flight while it multiplies.
+
+    ``PDL`` (launched as a programmatic dependent launch): the first step's weights are loaded
+    before ``gdc_wait``, which holds the program until the kernel before it has finished and
+    its writes are visible. Everything after it (x, scales, the residual, every store) may
+    depend on that kernel; the weights do not, so their first loads overlap its tail.
     """
     x_inv_scale = 1.0
     x_zp = 0.0
@@ -146,6 +184,7 @@ def decode_accumulate(
         else:
             w_next = tl.load(w_ptrs, mask=(k_first < k_end)
                              & (offs_kw < KW - k_first * BKW)[None, :], other=0)
+        _pdl_wait(PDL)
         for k in range(k_first, k_end):
             w = w_next
             w_ptrs += BKW
@@ -178,6 +217,7 @@ def decode_accumulate(
         else:
             w_next = tl.load(w_ptrs, mask=(k_first < k_end)
                              & (offs_k < K - k_first * BLOCK_K)[None, :], other=0.0)
+        _pdl_wait(PDL)
         for k in range(k_first, k_end):
             w = w_next
             w_ptrs += BLOCK_K * stride_wk
@@ -217,6 +257,8 @@ def _qlinear_decode_kernel(
     SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     # decode only: W (and int8 x) read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K
     WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
+    # launched with programmatic dependent launch (``pdl``)
+    PDL: tl.constexpr = False,
 ):
     """``_qlinear_kernel``'s arguments and numbers for small M without tensor cores: see
     ``decode_gemm``. Program ``(pid, s)`` computes rows ``BLOCK_M`` x columns ``BLOCK_N`` over
@@ -241,8 +283,9 @@ def _qlinear_decode_kernel(
     acc = decode_accumulate(
         x_ptr, w_ptr, x_inv_scale_ptr, x_zp_ptr, offs_m, offs_m < M, cols, K, k_first, k_end,
         stride_xm, stride_xk, stride_wn, stride_wk,
-        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K, X_WORDS,
+        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K, X_WORDS, PDL,
     )
+
     is_last = True
     if SPLIT_K > 1:
         acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
@@ -268,7 +311,13 @@ def words(t: torch.Tensor) -> bool:
 
 def decode_args(args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict:
     """``qgemm.gemm_args``' arguments plus the decode kernel's own: whether W (and x) are read
-    as int32 words, and whether K is a whole number of blocks."""
+    as int32 words, whether K is a whole number of blocks, and whether it is launched as a
+    programmatic dependent launch (``pdl``)."""
     w_words = words(weight)
     return {**args, "WORDS": w_words, "EVEN_K": args["K"] % cfg.block_k == 0,
-            "X_WORDS": w_words and words(x)}
+            "X_WORDS": w_words and words(x), "PDL": pdl(x.device)}
+
+
+def decode_options(args: dict) -> dict:
+    """Launch options beyond the schedule's: the programmatic-dependent-launch attribute."""
+    return {"launch_pdl": True} if args.get("PDL") else {}

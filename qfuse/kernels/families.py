@@ -8,7 +8,9 @@ epilogue class. Adding a family: its kernel file, its candidates in ``schedules`
 
 - ``mma``: tensor-core tiles with pointer loads, split-K for small grids (``mma_gemm``).
 - ``persistent``: the same, one program per SM walking the tiles (``mma_gemm``).
-- ``decode``: weight streaming without tensor cores for M <= 8 (``decode_gemm``).
+- ``decode``: weight streaming without tensor cores for M <= 8 (``decode_gemm``); on sm_90 a
+  programmatic dependent launch, which ``wrap_triton`` cannot express, so traced calls take the
+  opaque op there.
 - ``tma``: tiles loaded through TMA descriptors, one-tile or persistent grids, optionally
   warp-specialized (``tma_gemm``); needs an already quantized x in memory.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, decode_args
+import torch
+
+from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, decode_args, decode_options, pdl
 from qfuse.kernels.mma_gemm import _qlinear_kernel, _qlinear_persistent_kernel
 from qfuse.kernels.schedules import GemmConfig
 from qfuse.kernels.tma_gemm import _qlinear_tma_kernel, tma_args
@@ -30,19 +34,30 @@ class GemmFamily:
     they are the MMA kernels' as they are). ``cached_eager``: the eager hot path may launch it
     through ``launcher.CachedLaunch`` (its leading arguments are plain pointers and M).
     ``wrap_traced``: traced calls launch it through ``wrap_triton``; otherwise through an opaque
-    op (``tma_launch``) that builds what tracing cannot capture at run time."""
+    op (``opaque_launch``) that builds what tracing cannot capture at run time. ``options(args)``:
+    launch options beyond the schedule's (``wrap_triton`` passes none, so a launch that has
+    some is traced through the opaque op too); ``needs_options(device)`` says beforehand
+    whether launches on ``device`` will."""
 
     name: str
     kernel: object
     bind: Callable | None = None
     cached_eager: bool = True
     wrap_traced: bool = True
+    options: Callable[[dict], dict] | None = None
+    needs_options: Callable[[torch.device], bool] | None = None
+
+    def wraps(self, device: torch.device) -> bool:
+        """Whether a traced launch on ``device`` may go through ``wrap_triton``."""
+        return self.wrap_traced and not (self.needs_options is not None
+                                         and self.needs_options(device))
 
 
 FAMILIES = {
     "mma": GemmFamily("mma", _qlinear_kernel),
     "persistent": GemmFamily("persistent", _qlinear_persistent_kernel),
-    "decode": GemmFamily("decode", _qlinear_decode_kernel, bind=decode_args),
+    "decode": GemmFamily("decode", _qlinear_decode_kernel, bind=decode_args,
+                         options=decode_options, needs_options=pdl),
     "tma": GemmFamily("tma", _qlinear_tma_kernel, bind=tma_args, cached_eager=False,
                       wrap_traced=False),
 }

@@ -104,10 +104,12 @@ def gemm_args(
         SPLIT_K=cfg.split_k,
         EPI_SPLIT=cfg.epi_split,
     )
-    bind = family(cfg).bind
-    if bind is not None:
-        args = bind(args, x, weight, cfg)
+    fam = family(cfg)
+    if fam.bind is not None:
+        args = fam.bind(args, x, weight, cfg)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    if fam.options is not None:
+        options.update(fam.options(args))
     return (_grid0(cfg, tiles, x.device), cfg.split_k), args, options
 
 
@@ -132,7 +134,7 @@ def launch(
     """Launch ``_qlinear_kernel`` once with schedule ``cfg`` into ``out`` [M, N]; returns what
     Triton's launch returned (the ``CompiledKernel``). ``wrap`` is ``torch.library.wrap_triton``
     when called from the op's traced CUDA path (so Inductor owns the launch), else None."""
-    if wrap is not None and not family(cfg).wrap_traced:
+    if wrap is not None and not family(cfg).wraps(x.device):
         raise UnsupportedError(f"{family(cfg).name} schedules are launched through their own op "
                                "when traced (qgemm.qlinear routes them)")
     if cfg.tma and (x.stride(1) != 1 or x.stride(0) != x.shape[1] or x.data_ptr() % 16):
@@ -204,15 +206,16 @@ def qlinear(
             xq = prequantize_fn(x)
         elif x_float and cfg.prequantize:
             xq, _ = quantize(x, qdtype, x_inv_scale, x_zero_point, INTERPRETED, wrap=wrap)
-        if wrap is not None and not family(cfg).wrap_traced:
+        if wrap is not None and not family(cfg).wraps(x.device):
             # Traced: Inductor cannot yet capture host-side descriptors made inside a
-            # triton_op's body, so the TMA launch is an opaque op of its own (CUDA-graphed
-            # like any other kernel; its descriptors are built at run time).
-            from qfuse.kernels.tma_launch import traced_tma_qlinear
+            # triton_op's body, nor pass launch options such as programmatic dependent launch,
+            # so such a launch is an opaque op of its own (CUDA-graphed like any other kernel;
+            # its descriptors are built at run time).
+            from qfuse.kernels.opaque_launch import traced_qlinear
 
-            return traced_tma_qlinear(xq, weight, scale, x_scale, bias, x_zero_point,
-                                      weight_sum, residual, out_inv_scale, out_zero_point, act,
-                                      out.dtype, cfg, fast_act)
+            return traced_qlinear(xq, weight, scale, x_scale, bias, x_inv_scale, x_zero_point,
+                                  weight_sum, residual, out_inv_scale, out_zero_point, act,
+                                  out.dtype, cfg, fast_act)
         launch(xq, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
                residual, out_inv_scale, out_zero_point, act, out, cfg, fast_act, wrap)
         return out

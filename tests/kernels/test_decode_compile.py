@@ -46,7 +46,7 @@ def compile_decode(variant) -> dict:
         ZP_CORR=False, HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=True, OUT_Q=out_q,
         HAS_OUT_ZP=False, OUT_MANT=0, OUT_EMIN=0, EXACT=False, FAST_ACT=False, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split, EPI_SPLIT=1, WORDS=words, EVEN_K=True,
-        X_WORDS=words and xq,
+        X_WORDS=words and xq, PDL=True,  # as sm_90 launches it (``decode_gemm.pdl``)
         stride_xk=1, stride_wk=1, stride_rn=1, stride_on=1,  # Triton specializes 1 as constant
     )
     ptrs = qgemm_pointers(w, x, out, "*fp32" if "fp8" in w else "*i32")
@@ -58,7 +58,8 @@ def compile_decode(variant) -> dict:
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                                     attrs=attrs)
     kernel = triton.compile(src, target=TARGET,
-                            options={"enable_fp_fusion": False, "num_warps": 4, "num_stages": 1})
+                            options={"enable_fp_fusion": False, "num_warps": 4, "num_stages": 1,
+                                     "launch_pdl": True})
     ptx = kernel.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -68,7 +69,14 @@ def compile_decode(variant) -> dict:
     os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
+    # Where the dependent-launch wait sits: after the first weight load, before any x load.
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    first_w = re.search(r"ld\.global(?:\.\w+)*\.v4\.b32", body)  # W's 16-byte loads
     return dict(v4=len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
+                wait=wait, first_load=first_w.start() if first_w else -1,
+                launch_dependents=body.count("griddepcontrol.launch_dependents"),
+                launch_pdl=bool(kernel.metadata.launch_pdl),
                 b8=len(re.findall(r"ld\.global(?:\.\w+)*\.b8", ptx)),
                 dp4a=ptx.count("dp4a.s32.s32"), regs=int(regs[1]) if regs else -1,
                 spills=int(spills[1]) if spills else -1)
@@ -87,6 +95,9 @@ def test_weights_stream_in_16_byte_loads(compiled, i):
     assert info["spills"] == 0 and 0 < info["regs"] <= 168, info
     if words and VARIANTS[i][3]:  # int8 x handed over: read as words too, no byte loads
         assert info["b8"] == 0, info
+    # programmatic dependent launch: one wait, after the first weight load was issued
+    assert info["launch_pdl"] and info["launch_dependents"] == 1, info
+    assert 0 <= info["first_load"] < info["wait"], info
 
 
 if __name__ == "__main__":

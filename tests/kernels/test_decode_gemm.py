@@ -130,3 +130,56 @@ def test_decode_candidates_lead_small_buckets():
             for c in whole:
                 lanes = c.block_k // 4 if kind.startswith("int8") or c.block_m > 1 else c.block_k
                 assert c.block_m * c.block_n * lanes <= schedules.DECODE_LANES * 32 * c.num_warps
+
+
+def _chain(layers, h, cfg, wrap=None):
+    """Decode GEMMs back to back, each reading the previous one's output (and a residual two
+    launches back): what a programmatic dependent launch must wait for."""
+    for a in layers:
+        h = qgemm.qlinear(**(a | {"x": h, "residual": h}), config=cfg, wrap=wrap)
+    return h
+
+
+def _chain_layers(n, K, qdtype):
+    return [make_case(1, K, K, torch.device("cuda"), qdtype=qdtype, out_dtype=torch.bfloat16,
+                      residual=True, seed=i) for i in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
+def test_decode_pdl_chain_in_graph(qdtype, monkeypatch):
+    """sm_90: decode GEMMs launched as programmatic dependent launches, captured in a CUDA graph
+    and replayed, give the eager chain's numbers without PDL bit for bit (a missing wait would
+    read the previous GEMM's output or residual before it is written); traced calls take the
+    opaque op, which launches the same way."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    from qfuse.kernels.families import FAMILIES
+    from qfuse.ops.qlinear import qlinear  # noqa: F401 — registers the ops
+
+    cfg = decode(1, 8, 256, split=4)
+    layers = _chain_layers(6, 2048, qdtype)
+    h0 = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    monkeypatch.setattr(decode_gemm, "PDL_ENABLED", False)
+    want = _chain(layers, h0, cfg)
+    monkeypatch.setattr(decode_gemm, "PDL_ENABLED", True)
+    assert decode_gemm.pdl(h0.device) and not FAMILIES["decode"].wraps(h0.device)
+    h = h0.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _chain(layers, h, cfg)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = _chain(layers, h, cfg)
+    for _ in range(3):
+        h.copy_(torch.randn_like(h))
+        g.replay()
+        torch.testing.assert_close(out, _chain(layers, h, cfg), rtol=0, atol=0)
+    h.copy_(h0)
+    g.replay()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    traced = torch.compile(lambda x: _chain(layers, x, cfg, torch.library.wrap_triton),
+                           fullgraph=True)(h0)
+    torch.testing.assert_close(traced, want, rtol=0, atol=0)

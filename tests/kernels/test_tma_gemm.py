@@ -3,7 +3,7 @@ edges in M, N and K, one-tile and persistent grids, both dtypes.
 
 Under the interpreter (CPU, CI) descriptor loads zero-fill past the edges as the copy engine
 does; on a GPU (``-m gpu`` on the device) the same cases run the real TMA path, plus the traced
-route (``qfuse::tma_qlinear`` inside a compiled graph). int8: bit-exact, as test_qgemm.
+route (``qfuse::qlinear_launch`` inside a compiled graph). int8: bit-exact, as test_qgemm.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_tma_candidates_only_where_descriptors_fit():
 @pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", [torch.int8, FP8], ids=["int8", "fp8"])
 def test_tma_traced_route_matches_eager(qdtype):
-    """Under torch.compile a TMA schedule runs through the opaque ``qfuse::tma_qlinear``."""
+    """Under torch.compile a TMA schedule runs through the opaque ``qfuse::qlinear_launch``."""
     from qfuse.ops.qlinear import qlinear  # noqa: F401 — registers qfuse::qlinear
 
     args = make_case(256, 768, 768, torch.device("cuda"), qdtype=qdtype, x_mode="quantized",

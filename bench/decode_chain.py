@@ -1,0 +1,232 @@
+"""A TinyLlama decode step's quantized GEMMs alone, back to back in one CUDA graph: the weight
+stream's bandwidth, with and without programmatic dependent launch (PDL).
+
+    PYTHONPATH=. python bench/decode_chain.py --out $OUT/decode_chain.json     (GPU, ~2 min)
+    PYTHONPATH=. python bench/decode_chain.py --tiny                            (CPU smoke test)
+
+22 layers of TinyLlama-1.1B's four GEMMs with the epilogues a converted decoder layer gives them
+(``decode_gemm_ab.SHAPES``): Q/K/V merged from the bf16 hidden state; o_proj from the attention
+output's place (here Q/K/V's first 2048 columns) plus the residual; gate+up merged with SwiGLU,
+handing int8/fp8 to down; down plus the residual, whose output feeds the next layer. Each layer
+has its own copy of the weights (0.97 GB int8 in all, ~20x the L2), so every GEMM streams from
+HBM as in a real step; nothing else runs between them, so the chain's time is the GEMMs' own,
+launch gaps included. Rows:
+
+- qfuse int8 / fp8 with the schedules autotune picks, ``pdl`` off and on (``decode_gemm.pdl``;
+  only the decode family launches that way);
+- bf16 cuBLAS (``F.linear``, SwiGLU between gate+up and down as the model runs it).
+
+Correctness first: each chain's output equals the same chain launched eagerly without PDL (int8
+bit for bit: a missing wait would read a stale input), and the first layer's Q/K/V matches the
+CPU reference. Timing: median of ``do_bench`` over graph replays (one replay = one step's GEMMs).
+TB/s counts the weight bytes once per replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+if "--tiny" in sys.argv:  # before triton is imported: run the kernels in its interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_gemm_ab as ab  # noqa: E402
+
+LAYERS = 22
+TINY_LAYERS = 2
+
+
+@dataclasses.dataclass
+class Layer:
+    qkv: dict
+    o: dict
+    gate_up: dict
+    down: dict
+
+
+def _layer_args(case_shapes: dict, M: int, qname: str, device: str) -> dict:
+    return {name: ab.make_args(ab.Case(shape, M, qname), device) for name, shape in
+            case_shapes.items()}
+
+
+def build_layers(M: int, qname: str, device: str, tiny: bool) -> list[Layer]:
+    shapes = {s[0]: s for s in ab.SHAPES}
+    if tiny:  # small shapes that chain: hidden 64, Q/K/V 80, intermediate 88
+        shapes = {
+            "qkv": ("qkv", 64, 80, "none", False, False, False),
+            "o_proj": ("o_proj", 64, 64, "none", False, False, True),
+            "gate_up": ("gate_up", 64, 176, "swiglu", False, True, False),
+            "down": ("down", 88, 64, "none", True, False, True),
+        }
+    base = _layer_args({k: shapes[k] for k in ("qkv", "o_proj", "gate_up", "down")}, M, qname,
+                       device)
+    keep = ("weight", "scale", "bias", "x_inv_scale", "x_zero_point", "weight_sum",
+            "out_inv_scale", "out_zero_point", "act", "out_dtype")
+    layers = []
+    for _ in range(TINY_LAYERS if tiny else LAYERS):
+        own = {name: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                      for k, v in a.items() if k in keep} for name, a in base.items()}
+        layers.append(Layer(own["qkv"], own["o_proj"], own["gate_up"], own["down"]))
+    return layers
+
+
+def qfuse_step(layers: list[Layer], h: torch.Tensor) -> torch.Tensor:
+    from qfuse.kernels import qgemm
+
+    d = h.shape[1]
+    for L in layers:
+        qkv = qgemm.qlinear(h, residual=None, **L.qkv)
+        o = qgemm.qlinear(qkv[:, :d], residual=h, **L.o)
+        gu = qgemm.qlinear(o, residual=None, **L.gate_up)
+        h = qgemm.qlinear(gu, residual=o, **L.down)
+    return h
+
+
+def bf16_layers(layers: list[Layer]) -> list[tuple]:
+    return [tuple(a["weight"].float().to(torch.bfloat16) * 0.01
+                  for a in (L.qkv, L.o, L.gate_up, L.down)) for L in layers]
+
+
+def bf16_step(weights: list[tuple], h: torch.Tensor) -> torch.Tensor:
+    d = h.shape[1]
+    for wqkv, wo, wgu, wd in weights:
+        qkv = F.linear(h, wqkv)
+        o = F.linear(qkv[:, :d], wo) + h
+        g, u = F.linear(o, wgu).chunk(2, dim=-1)
+        h = F.linear(F.silu(g) * u, wd) + o
+    return h
+
+
+def weight_bytes(layers: list[Layer]) -> int:
+    return sum(a["weight"].numel() * a["weight"].element_size()
+               for L in layers for a in (L.qkv, L.o, L.gate_up, L.down))
+
+
+def graphed(fn, *args):
+    """(graph, its output): ``fn(*args)`` captured after one warm-up call on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(*args)
+    return g, out
+
+
+def picks(layers: list[Layer], h: torch.Tensor) -> dict:
+    """The schedule autotune picked per GEMM (the in-memory choice ``tuning`` keeps)."""
+    from qfuse.kernels import qgemm
+
+    L = layers[0]
+    d = h.shape[1]
+    out = {}
+    qkv = h.new_empty((h.shape[0], L.qkv["weight"].shape[0]))
+    for name, a, x in (("qkv", L.qkv, h), ("o_proj", L.o, qkv[:, :d]),
+                       ("gate_up", L.gate_up, h),
+                       ("down", L.down, torch.zeros(h.shape[0], L.down["weight"].shape[1],
+                                                    device=h.device,
+                                                    dtype=L.gate_up["out_dtype"]))):
+        xq = x.dtype in (torch.int8, torch.float8_e4m3fn)
+        cfg = qgemm._schedule(x.shape[0], a["weight"].shape[0], x.shape[1], x, a["weight"].dtype,
+                              not xq, a["act"], x.device, None, None)
+        out[name] = ab.cfg_name(cfg)
+    return out
+
+
+def run(M: int, tiny: bool, device: str) -> list[dict]:
+    from qfuse.kernels import decode_gemm
+
+    rows = []
+    d = 64 if tiny else 2048
+    h0 = (torch.randn(M, d, generator=torch.Generator().manual_seed(0)) * 0.5).to(
+        torch.bfloat16).to(device)
+    for qname in ("int8", "fp8"):
+        layers = build_layers(M, qname, device, tiny)
+        nbytes = weight_bytes(layers)
+        decode_gemm.PDL_ENABLED = False
+        eager = qfuse_step(layers, h0)  # autotunes on the first call
+        if device == "cpu":
+            rows.append({"impl": f"qfuse_{qname}", "M": M, "out_finite":
+                         bool(torch.isfinite(eager.float()).all())})
+            continue
+        # the first layer's Q/K/V against the CPU reference
+        from qfuse.ops import reference
+
+        cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+               for k, v in layers[0].qkv.items()}
+        ref = reference.qlinear(h0.cpu(), residual=None, **cpu)
+        from qfuse.kernels import qgemm
+
+        got = qgemm.qlinear(h0, residual=None, **layers[0].qkv).cpu()
+        qkv_err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        for pdl in (False, True):
+            decode_gemm.PDL_ENABLED = pdl
+            row = {"impl": f"qfuse_{qname}", "pdl": pdl, "M": M, "weight_bytes": nbytes,
+                   "qkv_rel_err_vs_reference": qkv_err, "picks": picks(layers, h0)}
+            try:
+                g, out = graphed(qfuse_step, layers, h0)
+                g.replay()
+                torch.cuda.synchronize()
+                same = (torch.equal(out, eager) if qname == "int8"
+                        else (out.float() - eager.float()).abs().max().item() == 0.0)
+                row["equals_eager_no_pdl"] = same
+                if not same:
+                    row["error"] = "graph output differs from the eager chain without PDL"
+                else:
+                    us = triton.testing.do_bench(g.replay, warmup=5, rep=60,
+                                                    return_mode="median") * 1e3
+                    row.update(chain_us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
+            except Exception as exc:  # noqa: BLE001 — a failing variant is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        decode_gemm.PDL_ENABLED = True
+        del layers
+        torch.cuda.empty_cache()
+    if device != "cpu":
+        bl = bf16_layers(build_layers(M, "int8", device, tiny))
+        nbytes = sum(w.numel() * 2 for t in bl for w in t)
+        g, out = graphed(bf16_step, bl, h0)
+        us = triton.testing.do_bench(g.replay, warmup=5, rep=60, return_mode="median") * 1e3
+        rows.append({"impl": "bf16_cublas", "M": M, "weight_bytes": nbytes, "chain_us": us,
+                     "tb_s": nbytes / (us * 1e-6) / 1e12})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from harness import environment
+
+    device = "cpu" if a.tiny else "cuda"
+    rows = []
+    for M in [int(m) for m in a.ms.split(",")]:
+        rows += run(M, a.tiny, device)
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+        os.replace(tmp, a.out)
+    print(f"{'impl':14} {'M':>3} {'pdl':>5} {'us':>8} {'TB/s':>6}")
+    for r in rows:
+        print(f"{r['impl']:14} {r['M']:>3} {str(r.get('pdl', '-')):>5} "
+              f"{r.get('chain_us', float('nan')):8.1f} {r.get('tb_s', float('nan')):6.2f} "
+              f"{r.get('error', '')}")
+
+
+if __name__ == "__main__":
+    main()
