@@ -12,7 +12,7 @@ has its own copy of the weights (0.97 GB int8 in all, ~20x the L2), so every GEM
 HBM as in a real step; nothing else runs between them, so the chain's time is the GEMMs' own,
 launch gaps included. Rows:
 
-- qfuse int8 / fp8 with the schedules autotune picks, ``pdl`` off and on (``decode_gemm.pdl``;
+- qfuse int8 / fp8 with the schedules autotune picks, ``pdl`` off and on (``grid.pdl``;
   only the decode family launches that way);
 - bf16 cuBLAS (``F.linear``, SwiGLU between gate+up and down as the model runs it).
 
@@ -78,16 +78,76 @@ def build_layers(M: int, qname: str, device: str, tiny: bool) -> list[Layer]:
     return layers
 
 
-def qfuse_step(layers: list[Layer], h: torch.Tensor) -> torch.Tensor:
+ROLES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def qfuse_step(layers: list[Layer], h: torch.Tensor, cfgs: dict | None = None) -> torch.Tensor:
+    """The chain; ``cfgs`` pins a schedule per role (else ``tuning`` picks)."""
     from qfuse.kernels import qgemm
 
+    c = cfgs or {}
     d = h.shape[1]
     for L in layers:
-        qkv = qgemm.qlinear(h, residual=None, **L.qkv)
-        o = qgemm.qlinear(qkv[:, :d], residual=h, **L.o)
-        gu = qgemm.qlinear(o, residual=None, **L.gate_up)
-        h = qgemm.qlinear(gu, residual=o, **L.down)
+        qkv = qgemm.qlinear(h, residual=None, config=c.get("qkv"), **L.qkv)
+        o = qgemm.qlinear(qkv[:, :d], residual=h, config=c.get("o_proj"), **L.o)
+        gu = qgemm.qlinear(o, residual=None, config=c.get("gate_up"), **L.gate_up)
+        h = qgemm.qlinear(gu, residual=o, config=c.get("down"), **L.down)
     return h
+
+
+def role_cases(M: int, qname: str) -> dict:
+    shapes = {s[0]: s for s in ab.SHAPES}
+    return {r: ab.Case(shapes[r], M, qname) for r in ROLES}
+
+
+def chain_us(layers, h0, cfgs, rep: int = 30) -> float:
+    g, _ = graphed(qfuse_step, layers, h0, cfgs)
+    us = triton.testing.do_bench(g.replay, warmup=3, rep=rep, return_mode="median") * 1e3
+    del g
+    return us
+
+
+def tune_in_chain(layers, h0, M: int, qname: str, start: dict) -> tuple[dict, list]:
+    """Coordinate descent over the roles: each role's candidates (every schedule autotune
+    offers, ``decode_gemm_ab.qfuse_configs``) timed inside the whole graphed chain with the
+    other roles at their best so far. A GEMM's best schedule alone (cold L2, its own launch)
+    need not be its best between its neighbours, once programmatic dependent launch overlaps
+    them."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = dict(start)
+    best_us = chain_us(layers, h0, best)
+    log = [{"start": {r: ab.cfg_name(c) for r, c in best.items()}, "us": best_us}]
+    for role in ("gate_up", "down", "qkv", "o_proj"):
+        for cfg in ab.qfuse_configs(role_cases(M, qname)[role], sms):
+            if cfg == best[role]:
+                continue
+            trial = best | {role: cfg}
+            try:
+                us = chain_us(layers, h0, trial)
+            except Exception as exc:  # noqa: BLE001 — a schedule that fails here is skipped
+                log.append({"role": role, "cfg": ab.cfg_name(cfg), "error": str(exc)[:200]})
+                continue
+            log.append({"role": role, "cfg": ab.cfg_name(cfg), "us": us})
+            if us < best_us * 0.995:
+                best, best_us = trial, us
+        print(f"  {qname} {role}: {ab.cfg_name(best[role])} -> {best_us:.1f} us", flush=True)
+    return best, log
+
+
+def table_rows(best: dict, M: int, qname: str) -> dict:
+    """``tuned_configs`` rows (keyed as ``tuning.cache_key`` keys them) for ``best``."""
+    import dataclasses as dc
+
+    from qfuse.kernels.common import LIGHT_ACTIVATIONS
+    from qfuse.kernels.tuning import cache_key
+
+    gpu = torch.cuda.get_device_name()
+    rows = {}
+    for role, case in role_cases(M, qname).items():
+        _, K, N, act, x_q, *_ = case.shape
+        key = cache_key(gpu, case.kind, M, N, K, "" if act in LIGHT_ACTIVATIONS else act)
+        rows[key] = dc.astuple(best[role])
+    return rows
 
 
 def bf16_layers(layers: list[Layer]) -> list[tuple]:
@@ -123,28 +183,46 @@ def graphed(fn, *args):
     return g, out
 
 
-def picks(layers: list[Layer], h: torch.Tensor) -> dict:
-    """The schedule autotune picked per GEMM (the in-memory choice ``tuning`` keeps)."""
+def cfg_of(layers: list[Layer], h: torch.Tensor, role: str):
+    """The schedule ``tuning`` picked for ``role`` (its in-memory choice, after a first call)."""
     from qfuse.kernels import qgemm
 
-    L = layers[0]
-    d = h.shape[1]
+    a = {"qkv": layers[0].qkv, "o_proj": layers[0].o, "gate_up": layers[0].gate_up,
+         "down": layers[0].down}[role]
+    K = a["weight"].shape[1]
+    x = h if role != "down" else torch.zeros(h.shape[0], K, device=h.device,
+                                             dtype=layers[0].gate_up["out_dtype"])
+    xq = x.dtype in (torch.int8, torch.float8_e4m3fn)
+    return qgemm._schedule(x.shape[0], a["weight"].shape[0], K, x, a["weight"].dtype, not xq,
+                           a["act"], x.device, None, None)
+
+
+def picks(layers: list[Layer], h: torch.Tensor) -> dict:
+    return {r: ab.cfg_name(cfg_of(layers, h, r)) for r in ROLES}
+
+
+def role_kernel_us(layers, h0, cfgs=None) -> dict:
+    """Mean GPU time of each role's kernels in one eager chain (torch.profiler; launch order is
+    qkv, o_proj, gate_up, down per layer; a schedule with a quantize pass adds its kernel)."""
+    qfuse_step(layers, h0, cfgs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        qfuse_step(layers, h0, cfgs)
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "qlinear" in e.name),
+                key=lambda e: e.time_range.start)
+    if len(ev) != 4 * len(layers):
+        return {"kernels": len(ev)}
     out = {}
-    qkv = h.new_empty((h.shape[0], L.qkv["weight"].shape[0]))
-    for name, a, x in (("qkv", L.qkv, h), ("o_proj", L.o, qkv[:, :d]),
-                       ("gate_up", L.gate_up, h),
-                       ("down", L.down, torch.zeros(h.shape[0], L.down["weight"].shape[1],
-                                                    device=h.device,
-                                                    dtype=L.gate_up["out_dtype"]))):
-        xq = x.dtype in (torch.int8, torch.float8_e4m3fn)
-        cfg = qgemm._schedule(x.shape[0], a["weight"].shape[0], x.shape[1], x, a["weight"].dtype,
-                              not xq, a["act"], x.device, None, None)
-        out[name] = ab.cfg_name(cfg)
+    for i, r in enumerate(ROLES):
+        times = [e.time_range.elapsed_us() for e in ev[i::4]]
+        out[r] = sum(times) / len(times)
     return out
 
 
-def run(M: int, tiny: bool, device: str) -> list[dict]:
-    from qfuse.kernels import decode_gemm
+def run(M: int, tiny: bool, device: str, tune: bool = False) -> list[dict]:
+    from qfuse.kernels import grid
 
     rows = []
     d = 64 if tiny else 2048
@@ -153,9 +231,9 @@ def run(M: int, tiny: bool, device: str) -> list[dict]:
     for qname in ("int8", "fp8"):
         layers = build_layers(M, qname, device, tiny)
         nbytes = weight_bytes(layers)
-        decode_gemm.PDL_ENABLED = True
+        grid.PDL_ENABLED = True
         qfuse_step(layers, h0)  # autotunes (the precompiled candidates are PDL launches)
-        decode_gemm.PDL_ENABLED = False
+        grid.PDL_ENABLED = False
         eager = qfuse_step(layers, h0)
         if device == "cpu":
             rows.append({"impl": f"qfuse_{qname}", "M": M, "out_finite":
@@ -172,7 +250,7 @@ def run(M: int, tiny: bool, device: str) -> list[dict]:
         got = qgemm.qlinear(h0, residual=None, **layers[0].qkv).cpu()
         qkv_err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
         for pdl in (False, True):
-            decode_gemm.PDL_ENABLED = pdl
+            grid.PDL_ENABLED = pdl
             row = {"impl": f"qfuse_{qname}", "pdl": pdl, "M": M, "weight_bytes": nbytes,
                    "qkv_rel_err_vs_reference": qkv_err, "picks": picks(layers, h0)}
             try:
@@ -190,9 +268,28 @@ def run(M: int, tiny: bool, device: str) -> list[dict]:
                     row.update(chain_us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
             except Exception as exc:  # noqa: BLE001 — a failing variant is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            row["kernels_us"] = role_kernel_us(layers, h0)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        decode_gemm.PDL_ENABLED = True
+        grid.PDL_ENABLED = True
+        if tune:
+            start = {r: cfg_of(layers, h0, r) for r in ROLES}
+            best, log = tune_in_chain(layers, h0, M, qname, start)
+            g, out = graphed(qfuse_step, layers, h0, best)
+            g.replay()
+            torch.cuda.synchronize()
+            same = (torch.equal(out, eager) if qname == "int8"
+                    else (out.float() - eager.float()).abs().max().item() == 0.0)
+            us = triton.testing.do_bench(g.replay, warmup=5, rep=60, return_mode="median") * 1e3
+            del g
+            row = {"impl": f"qfuse_{qname}", "pdl": True, "M": M, "tuned_in_chain": True,
+                   "weight_bytes": nbytes, "chain_us": us, "tb_s": nbytes / (us * 1e-6) / 1e12,
+                   "equals_eager_no_pdl": same if qname == "int8" else None,
+                   "picks": {r: ab.cfg_name(c) for r, c in best.items()},
+                   "table_rows": table_rows(best, M, qname), "tuning_log": log,
+                   "kernels_us": role_kernel_us(layers, h0, best)}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tuning_log"}), flush=True)
         del layers
         torch.cuda.empty_cache()
     if device != "cpu":
@@ -210,6 +307,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--tune", action="store_true",
+                    help="also pick each role's schedule by timing it inside the chain")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from harness import environment
@@ -224,7 +323,7 @@ def main(argv=None) -> None:
                       min(12, os.cpu_count() or 1))
     rows = []
     for M in ms:
-        rows += run(M, a.tiny, device)
+        rows += run(M, a.tiny, device, a.tune)
     if a.out:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:

@@ -435,3 +435,13 @@ class ConvConfig:
                 f"ConvConfig: fp8_promote={p}; use 0 (Triton's default) or a multiple of 32 "
                 f"(one fp8 wgmma's K) up to block_k={self.block_k}."
             )
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under a programmatic dependent launch (``grid.pdl``): wait until the kernel before this
+    one has finished and its writes are visible, then let the kernel after this one be
+    scheduled as this one's programs finish (its own wait keeps it correct). A no-op otherwise."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -33,15 +33,13 @@ and ``X_WORDS`` constexprs), so the eager cached launch and ``wrap_triton`` take
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from qfuse.kernels.common import INTERPRETED, quantize_fp8, quantize_int8
+from qfuse.kernels.common import INTERPRETED, pdl_wait, quantize_fp8, quantize_int8
 from qfuse.kernels.epilogue import finish_tile, split_k_reduce
+from qfuse.kernels.grid import pdl
 
 
 @triton.jit
@@ -61,36 +59,6 @@ def dp4a(a, b, c):
             "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
             dtype=tl.int32, is_pure=True, pack=1,
         )
-
-
-# Programmatic dependent launch (sm_90+): a decode step is ~90 of these GEMMs back to back, each
-# a few microseconds of weight streaming, so the gap between one kernel's last program and the
-# next one's first loads is a large part of each. Launched with the attribute, the next kernel's
-# programs start while this one drains and stream their first weights before they wait.
-# ``QFUSE_PDL=0`` turns it off (an A/B switch; also read by ``families``).
-PDL_ENABLED = os.environ.get("QFUSE_PDL", "1") != "0"
-
-
-@functools.cache
-def _capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether decode launches on ``device`` use programmatic dependent launch."""
-    if not PDL_ENABLED or INTERPRETED or device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None
-                       else torch.cuda.current_device()) >= 9
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Wait for the kernel this one depends on (its writes visible after this), then let the
-    kernel after this one be scheduled as programs finish (its own wait keeps it correct)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -184,7 +152,7 @@ def decode_accumulate(
         else:
             w_next = tl.load(w_ptrs, mask=(k_first < k_end)
                              & (offs_kw < KW - k_first * BKW)[None, :], other=0)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         for k in range(k_first, k_end):
             w = w_next
             w_ptrs += BKW
@@ -217,7 +185,7 @@ def decode_accumulate(
         else:
             w_next = tl.load(w_ptrs, mask=(k_first < k_end)
                              & (offs_k < K - k_first * BLOCK_K)[None, :], other=0.0)
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
         for k in range(k_first, k_end):
             w = w_next
             w_ptrs += BLOCK_K * stride_wk
@@ -257,7 +225,7 @@ def _qlinear_decode_kernel(
     SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
     # decode only: W (and int8 x) read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K
     WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
-    # launched with programmatic dependent launch (``pdl``)
+    # launched as a programmatic dependent launch (``grid.pdl``)
     PDL: tl.constexpr = False,
 ):
     """``_qlinear_kernel``'s arguments and numbers for small M without tensor cores: see
@@ -312,12 +280,8 @@ def words(t: torch.Tensor) -> bool:
 def decode_args(args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict:
     """``qgemm.gemm_args``' arguments plus the decode kernel's own: whether W (and x) are read
     as int32 words, whether K is a whole number of blocks, and whether it is launched as a
-    programmatic dependent launch (``pdl``)."""
+    programmatic dependent launch (``grid.pdl``)."""
     w_words = words(weight)
     return {**args, "WORDS": w_words, "EVEN_K": args["K"] % cfg.block_k == 0,
             "X_WORDS": w_words and words(x), "PDL": pdl(x.device)}
 
-
-def decode_options(args: dict) -> dict:
-    """Launch options beyond the schedule's: the programmatic-dependent-launch attribute."""
-    return {"launch_pdl": True} if args.get("PDL") else {}

@@ -12,7 +12,8 @@ epilogue class. Adding a family: its kernel file, its candidates in ``schedules`
   programmatic dependent launch, which ``wrap_triton`` cannot express, so traced calls take the
   opaque op there.
 - ``tma``: tiles loaded through TMA descriptors, one-tile or persistent grids, optionally
-  warp-specialized (``tma_gemm``); needs an already quantized x in memory.
+  warp-specialized (``tma_gemm``); needs an already quantized x in memory; a programmatic
+  dependent launch on sm_90.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, decode_args, decode_options, pdl
+from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, decode_args
+from qfuse.kernels.grid import pdl, pdl_options
 from qfuse.kernels.mma_gemm import _qlinear_kernel, _qlinear_persistent_kernel
 from qfuse.kernels.schedules import GemmConfig
 from qfuse.kernels.tma_gemm import _qlinear_tma_kernel, tma_args
@@ -57,9 +59,9 @@ FAMILIES = {
     "mma": GemmFamily("mma", _qlinear_kernel),
     "persistent": GemmFamily("persistent", _qlinear_persistent_kernel),
     "decode": GemmFamily("decode", _qlinear_decode_kernel, bind=decode_args,
-                         options=decode_options, needs_options=pdl),
+                         options=pdl_options, needs_options=pdl),
     "tma": GemmFamily("tma", _qlinear_tma_kernel, bind=tma_args, cached_eager=False,
-                      wrap_traced=False),
+                      wrap_traced=False, options=pdl_options),
 }
 
 

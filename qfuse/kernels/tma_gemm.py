@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from qfuse.kernels.common import tile_indices
+from qfuse.kernels.common import pdl_wait, tile_indices
 from qfuse.kernels.epilogue import finish_tile, start_acc
+from qfuse.kernels.grid import pdl
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -59,7 +60,10 @@ def _qlinear_tma_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     FLATTEN: tl.constexpr,
+    # launched as a programmatic dependent launch (``grid.pdl``): x is the previous kernel's
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
@@ -120,6 +124,6 @@ def tma_args(ptr_args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict
         OUT_Q=a["OUT_Q"], HAS_OUT_ZP=a["HAS_OUT_ZP"], OUT_MANT=a["OUT_MANT"],
         OUT_EMIN=a["OUT_EMIN"], EXACT=a["EXACT"], FAST_ACT=a["FAST_ACT"],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.persistent,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.persistent, PDL=pdl(x.device),
     )
 

@@ -46,7 +46,7 @@ def compile_decode(variant) -> dict:
         ZP_CORR=False, HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=True, OUT_Q=out_q,
         HAS_OUT_ZP=False, OUT_MANT=0, OUT_EMIN=0, EXACT=False, FAST_ACT=False, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split, EPI_SPLIT=1, WORDS=words, EVEN_K=True,
-        X_WORDS=words and xq, PDL=True,  # as sm_90 launches it (``decode_gemm.pdl``)
+        X_WORDS=words and xq, PDL=True,  # as sm_90 launches it (``grid.pdl``)
         stride_xk=1, stride_wk=1, stride_rn=1, stride_on=1,  # Triton specializes 1 as constant
     )
     ptrs = qgemm_pointers(w, x, out, "*fp32" if "fp8" in w else "*i32")

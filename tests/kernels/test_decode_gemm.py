@@ -14,7 +14,7 @@ import torch
 from test_gated_epilogue import gated_case
 from test_qgemm import FP8, check, make_case
 
-from qfuse.kernels import decode_gemm, qgemm, schedules
+from qfuse.kernels import decode_gemm, grid, qgemm, schedules
 from qfuse.kernels.schedules import GemmConfig
 
 
@@ -160,10 +160,10 @@ def test_decode_pdl_chain_in_graph(qdtype, monkeypatch):
     cfg = decode(1, 8, 256, split=4)
     layers = _chain_layers(6, 2048, qdtype)
     h0 = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
-    monkeypatch.setattr(decode_gemm, "PDL_ENABLED", False)
+    monkeypatch.setattr(grid, "PDL_ENABLED", False)
     want = _chain(layers, h0, cfg)
-    monkeypatch.setattr(decode_gemm, "PDL_ENABLED", True)
-    assert decode_gemm.pdl(h0.device) and not FAMILIES["decode"].wraps(h0.device)
+    monkeypatch.setattr(grid, "PDL_ENABLED", True)
+    assert grid.pdl(h0.device) and not FAMILIES["decode"].wraps(h0.device)
     h = h0.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
