@@ -10,7 +10,8 @@ kernels' gain does not reach ``generate()`` (README, sessions 12 and 13: the pro
 
 ``DecodeGraphs`` stands in for that compiled call (``install``; transformers finds it where it
 caches its own, ``model._compiled_call``). It compiles the same forward with the same options
-minus Inductor's CUDA graphs and keeps up to ``MAX_GRAPHS`` CUDA graphs of it, one per input
+minus Inductor's CUDA graphs, plus Inductor's programmatic dependent launch (``_with_pdl``;
+``QFUSE_PDL=0``: off), and keeps up to ``MAX_GRAPHS`` CUDA graphs of it, one per input
 signature. A signature's first call runs the compiled forward on the graph's own input buffers
 (Dynamo compiles, kernels initialize); its second call captures the graph and replays it; later
 calls copy their input tensors into the buffers, check that the model's and the cache's tensors
@@ -117,6 +118,27 @@ def _object_slots(obj, seen: set, depth: int = 3) -> list:
         elif depth and hasattr(v, "__dict__"):
             slots += _object_slots(v, seen, depth - 1)
     return slots
+
+
+def _with_pdl(opts: dict) -> dict:
+    """``opts`` with Inductor's programmatic dependent launch on (``grid.pdl``'s switch): each
+    generated kernel may start while the one before it drains and waits before reading what
+    that one wrote. A decode step is ~500 short kernels replayed from one graph, so the gaps
+    between them are a large part of its GPU time; qfuse's own GEMMs launch the same way. A
+    mode is spelled out as its options, since ``torch.compile`` takes one or the other."""
+    from qfuse.kernels import grid
+
+    triton_config = getattr(torch._inductor.config, "triton", None)
+    if not grid.PDL_ENABLED or not hasattr(triton_config, "enable_pdl"):
+        return opts
+    opts = dict(opts)
+    options = dict(opts.get("options") or {})
+    if opts.get("mode"):
+        options = {**torch._inductor.list_mode_options(opts["mode"]), **options}
+        opts["mode"] = None
+    options["triton.enable_pdl"] = True
+    opts["options"] = options
+    return opts
 
 
 def _module_slots(model: torch.nn.Module) -> list:
@@ -264,7 +286,7 @@ class DecodeGraphs:
             opts["options"] = options or None
         else:
             return None
-        return opts
+        return _with_pdl(opts)
 
     def _compiled_fn(self):
         if self._compiled is None:

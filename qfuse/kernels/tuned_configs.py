@@ -211,6 +211,22 @@ _ROWS.update({
     "NVIDIA H200|int8-xq|M4096|N768|K768": (64, 128, 128, 8, 1, 4, 2, False, 1, False, False, True),
 })
 
+# TinyLlama-1.1B's decode GEMMs at M = 1 (hidden 2048, Q/K/V 2560, gate+up 11264 with SwiGLU,
+# down 5632 -> 2048 from int8/fp8 x), one H200: each role's schedule timed inside the graphed
+# chain of a whole step's 88 GEMMs with programmatic dependent launch on (bench/decode_chain.py
+# --tune; bench/results/s14_h200/call2/decode_chain_tune.json, commit efa68f8). Without these a
+# traced call takes the first candidate (fp8: an MMA schedule for every role).
+_ROWS.update({
+    "NVIDIA H200|int8-xf|M1|N2560|K2048": (1, 8, 2048, 1, 1, 4, 1, False, 1, False, True),
+    "NVIDIA H200|int8-xf|M1|N2048|K2048": (1, 8, 2048, 1, 1, 4, 1, False, 1, False, True),
+    "NVIDIA H200|int8-xf|M1|N11264|K2048|swiglu": (1, 16, 1024, 1, 1, 8, 1, False, 1, False, True),
+    "NVIDIA H200|int8-xq|M1|N2048|K5632": (1, 8, 512, 1, 4, 4, 1, False, 1, False, True),
+    "NVIDIA H200|fp8-xf|M1|N2560|K2048": (1, 4, 1024, 1, 1, 4, 1, False, 1, False, True),
+    "NVIDIA H200|fp8-xf|M1|N2048|K2048": (1, 4, 1024, 1, 1, 4, 1, False, 1, False, True),
+    "NVIDIA H200|fp8-xf|M1|N11264|K2048|swiglu": (16, 64, 256, 8, 1, 4, 4, False),
+    "NVIDIA H200|fp8-xq|M1|N2048|K5632": (16, 64, 256, 8, 4, 4, 4, False),
+})
+
 # Decode rows (M buckets 1..32, measured by bench/decode_gemm_ab.py) may add an 11th field,
 # decode: True selects ``decode_gemm._qlinear_decode_kernel`` (group_m, epi_split, persistent
 # unused); a 12th, tma: True selects ``tma_gemm._qlinear_tma_kernel``.

@@ -212,13 +212,24 @@ def test_copies_and_pickles_carry_no_graph(qmodel):
     assert back._compiled_call._model() is back and not back._compiled_call._entries
 
 
-def test_mode_without_graphs_uses_the_plain_compile(qmodel):
+def test_mode_without_graphs_uses_the_plain_compile(qmodel, monkeypatch):
+    from qfuse.kernels import grid
+
     model, _ = qmodel
     runner = DecodeGraphs(model, {"backend": "inductor", "mode": "default"})
     assert runner._graphed_options() is None
     runner = DecodeGraphs(model, {"backend": "inductor", "mode": "reduce-overhead",
                                   "fullgraph": True})
+    # Inductor's programmatic dependent launch on (``_with_pdl``), unless QFUSE_PDL=0
+    assert runner._graphed_options() == {"backend": "inductor", "mode": None, "fullgraph": True,
+                                         "options": {"triton.enable_pdl": True}}
+    monkeypatch.setattr(grid, "PDL_ENABLED", False)
     assert runner._graphed_options() == {"backend": "inductor", "mode": None, "fullgraph": True}
+    monkeypatch.setattr(grid, "PDL_ENABLED", True)
+    runner = DecodeGraphs(model, {"backend": "inductor", "mode": "max-autotune"})
+    opts = runner._graphed_options()
+    assert opts["mode"] is None and opts["options"]["triton.enable_pdl"]
+    assert opts["options"]["max_autotune"] and "triton.cudagraphs" not in opts["options"]
 
 
 @pytest.mark.gpu
