@@ -66,7 +66,7 @@ def _decode_call(query, key, value, attention_mask, dropout, is_causal, position
     ):
         return False
     full = (B, H, Sq, L)[4 - attention_mask.dim():]
-    return all(m in (1, f) for m, f in zip(attention_mask.shape, full))
+    return all(m in (1, f) for m, f in zip(attention_mask.shape, full, strict=True))
 
 
 def qfuse_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
@@ -93,8 +93,9 @@ def register() -> None:
 
 def install(model) -> bool:
     """Switch ``model`` (a transformers ``PreTrainedModel``) from ``"sdpa"`` attention to
-    ``"qfuse"``. Returns whether it runs qfuse's attention now; eager, flash and flex models,
-    models that cannot switch, and ``QFUSE_DECODE_ATTENTION=0`` are left as they are.
+    ``"qfuse"``. Returns whether it runs qfuse's attention now; eager, flash and flex models
+    and models that cannot switch are left as they are; ``QFUSE_DECODE_ATTENTION=0`` leaves
+    SDPA (and switches a model installed earlier back to it).
 
     Example:
         >>> import transformers
@@ -107,11 +108,20 @@ def install(model) -> bool:
     """
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        return False
+    if not enabled():
+        if current == NAME:  # switched earlier (a pickled model): back to transformers' SDPA
+            model.set_attn_implementation("sdpa")
+        return False
     if current == NAME:
         return True
-    if (not enabled() or current != "sdpa"
-            or not callable(getattr(model, "set_attn_implementation", None))):
+    if current != "sdpa":
         return False
-    register()
     model.set_attn_implementation(NAME)
     return config._attn_implementation == NAME
+
+
+# A pickled or saved model may carry "qfuse" in its config: registered whenever qfuse's
+# transformers integration loads (it imports this module).
+register()
