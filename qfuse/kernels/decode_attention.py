@@ -177,10 +177,15 @@ class DecodeSchedule:
     splits: int | None = None
 
 
+# Built once: a traced call (torch.compile, fullgraph) picks one, it constructs nothing.
+_SMALL = DecodeSchedule(block_l=64, num_warps=4)
+_BIG = DecodeSchedule(block_l=32, num_warps=8)
+
+
 def default_schedule(rows: int, head_dim: int) -> DecodeSchedule:
     # Big row x head-dim tiles (G * Sq = 128 rows at D = 128) would spill at 4 warps.
     big = rows * max(16, triton.next_power_of_2(head_dim)) > 64 * 64
-    return DecodeSchedule(block_l=32 if big else 64, num_warps=8 if big else 4)
+    return _BIG if big else _SMALL
 
 
 def pick_splits(pairs: int, length: int, block_l: int, sms: int) -> tuple[int, int]:

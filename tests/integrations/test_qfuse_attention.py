@@ -153,3 +153,23 @@ def test_converted_model_saved_and_loaded_keeps_it(tmp_path):
     assert count.decode == 2 * 2
     with torch.no_grad():
         assert torch.equal(out, qmodel.generate(ids[:1], **dict(GREEDY, max_new_tokens=3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_generate_static_cache_compiled(batch):
+    """On CUDA, generate() with a static cache compiles its decode step (fullgraph): the kernel
+    inside the compiled step gives the SDPA model's tokens (float32, so no rounding tie flips a
+    greedy choice)."""
+    ref = llama().cuda()
+    model = llama().cuda()
+    model.load_state_dict(ref.state_dict())
+    assert attention.install(model)
+    ids = tokens(batch, 20, seed=6).cuda()
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    greedy = dict(GREEDY, max_new_tokens=12)
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, **greedy)
+        out = model.generate(ids, attention_mask=mask, **greedy)
+    assert torch.equal(out, expected)
