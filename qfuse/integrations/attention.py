@@ -56,14 +56,15 @@ def _decode_call(query, key, value, attention_mask, dropout, is_causal, position
         or key.shape[3] != D or value.shape[3] != D or D > MAX_HEAD_DIM
         or Hkv == 0 or H % Hkv != 0 or (H // Hkv) * Sq > MAX_ROWS
         or query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
+        or key.device != query.device or value.device != query.device
     ):
         return False
     if attention_mask is None:
         # SDPA applies a causal mask to a longer query with no mask: left to it.
         return Sq == 1 or is_causal is False
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() > 4 or not (
-        attention_mask.dtype == torch.bool or attention_mask.is_floating_point()
-    ):
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() > 4
+            or attention_mask.device != query.device
+            or not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point())):
         return False
     full = (B, H, Sq, L)[4 - attention_mask.dim():]
     return all(m in (1, f) for m, f in zip(attention_mask.shape, full, strict=True))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qfuse.errors import ShapeError, UnsupportedError
+from qfuse.errors import DeviceError, ShapeError, UnsupportedError
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -226,8 +226,9 @@ def check_inputs(q, k, v, mask) -> None:
         raise UnsupportedError(f"{name}: q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}; give "
                                "one of float32, bfloat16, float16 for all three.")
     if not (q.device == k.device == v.device) or (mask is not None and mask.device != q.device):
-        raise ShapeError(f"{name}: q, k, v and mask must be on one device; got {q.device}, "
-                         f"{k.device}, {v.device}, {None if mask is None else mask.device}.")
+        raise DeviceError(f"{name}: q, k, v and mask must be on one device; got {q.device}, "
+                          f"{k.device}, {v.device}, {None if mask is None else mask.device}. "
+                          "Move them to q's device.")
     if mask is not None:
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise UnsupportedError(f"{name}: mask dtype {mask.dtype}; give a boolean (True "

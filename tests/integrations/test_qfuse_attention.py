@@ -121,6 +121,26 @@ def test_what_is_not_decode_sized_goes_to_sdpa(models):
     assert _layer_call(model, 3, 20, None, position_bias=bias) == 0
 
 
+def test_traceable_with_fullgraph(models):
+    """Dynamo traces the dispatch decision and the op call without a graph break."""
+    _, model = models
+    layer = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 1, 4, 16, generator=g).transpose(1, 2)
+    k, v = torch.randn(2, 2, 2, 20, 16, generator=g).unbind(0)
+    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+    mask[..., 15:] = False
+
+    def step(q, k, v, mask):
+        return attention.qfuse_attention_forward(layer, q, k, v, mask, scaling=0.25,
+                                                 position_ids=None)[0]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, mask),
+                               sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_eager_and_disabled_models_are_left_alone(models, monkeypatch):
     eager = llama("eager")
     assert not attention.install(eager) and eager.config._attn_implementation == "eager"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qfuse.errors import ShapeError, UnsupportedError
+from qfuse.errors import DeviceError, ShapeError, UnsupportedError
 from qfuse.kernels.decode_attention import DecodeSchedule, decode_attention, pick_splits
 from qfuse.ops.decode_attention import INTERPRETED, reference
 
@@ -164,6 +164,8 @@ def test_bad_inputs_are_named():
         run(q, k, v, torch.ones(1, 1, 1, 8, dtype=torch.int32))
     with pytest.raises(ShapeError, match="does not broadcast"):
         run(q, k, v, torch.ones(1, 1, 1, 9, dtype=torch.bool))
+    with pytest.raises(DeviceError, match="one device"):
+        run(q, k, v, torch.ones(1, 1, 1, 8, dtype=torch.bool, device="meta"))
 
 
 # ---- GPU: TinyLlama's decode shapes ----
