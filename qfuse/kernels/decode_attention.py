@@ -199,6 +199,15 @@ def pick_splits(pairs: int, length: int, block_l: int, sms: int) -> tuple[int, i
 
 # ---- launcher ----
 
+@torch.compiler.assume_constant_result
+def _sms(device: torch.device) -> int:
+    """The device's multiprocessors; a constant to Dynamo (fullgraph compiles of the decode step
+    need no trace through the cached device query)."""
+    from qfuse.kernels.grid import sm_count
+
+    return sm_count(device)
+
+
 def check_inputs(q, k, v, mask) -> None:
     """Raise a typed error for inputs the kernel does not compute (named, with the fix)."""
     name = "decode_attention"
@@ -249,7 +258,7 @@ def decode_attention(q, k, v, mask, scale, interpreted, wrap=None, schedule=None
     [B, Sq, H, D] in q's dtype. ``scale`` None: 1/sqrt(D). ``wrap``: ``torch.library.wrap_triton``
     when traced. ``sms``: multiprocessors to fill (the device's when None; 4 on CPU).
     ``tracing``: a compiled graph or CUDA-graph capture owns the counters (fresh zeros)."""
-    from qfuse.kernels.grid import sm_count, split_k_locks
+    from qfuse.kernels.grid import split_k_locks
 
     check_inputs(q, k, v, mask)
     B, H, Sq, D = q.shape
@@ -258,7 +267,7 @@ def decode_attention(q, k, v, mask, scale, interpreted, wrap=None, schedule=None
     rows = G * Sq
     sched = schedule or default_schedule(rows, D)
     if sms is None:
-        sms = sm_count(q.device) if q.is_cuda else 4
+        sms = _sms(q.device) if q.is_cuda else 4
     splits, chunk = pick_splits(B * Hkv, L, sched.block_l, sms)
     if sched.splits is not None:  # a fixed count, each split a whole number of tiles
         tiles = triton.cdiv(max(L, 1), sched.block_l)
