@@ -62,7 +62,7 @@ def _decode_attention_kernel(
 ):
     bk = tl.program_id(0)  # b * HKV + kv head
     split = tl.program_id(1)
-    b = bk // HKV
+    b = (bk // HKV).to(tl.int64)  # a long cache's batch stride times b passes 2**31
     hk = bk % HKV
     rows = tl.arange(0, BLOCK_R)  # row r: query head hk * G + r // SQ, query position r % SQ
     head = hk * G + rows // SQ
