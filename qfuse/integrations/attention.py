@@ -15,7 +15,7 @@ mask that is None (one query position: SDPA is not causal there either), boolean
 broadcastable to [B, H, Sq, L]. Every other call (prefill above all) goes to transformers'
 ``sdpa_attention_forward`` unchanged.
 
-``QFUSE_DECODE_ATTENTION=0`` makes ``install`` do nothing.
+``QFUSE_DECODE_ATTENTION=0``: ``install`` leaves (or puts) the model on ``"sdpa"``.
 """
 
 from __future__ import annotations
