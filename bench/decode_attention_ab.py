@@ -8,6 +8,8 @@ Rows per (batch, L):
 - ``hf_repeat_kv_sdpa``: ``repeat_kv`` of K and V (the G-fold copy of the cache), SDPA with the
   static cache's boolean mask, the [B, 1, H, D] transpose copy: ``sdpa_attention_forward`` as it
   runs compiled (and always in transformers 5.17).
+- ``hf_compiled``: the same under ``torch.compile`` (as ``generate()`` compiles a static-cache
+  decode step; in a model Inductor also fuses RoPE into the copy).
 - ``sdpa_pack_gqa_mask``: transformers 5.24's eager single-token path: q viewed as [B, Hkv, G, D],
   SDPA with the mask broadcast over the G rows (no copy of the cache).
 - ``sdpa_gqa_nomask``: SDPA with ``enable_gqa=True`` and no mask (what SDPA does when no mask
@@ -78,7 +80,9 @@ def impls(q, k, v, mask, sweep):
         o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         return o.transpose(1, 2).contiguous()
 
-    rows = [("hf_repeat_kv_sdpa", hf, True), ("gqa_nomask", gqa, False),
+    compiled = torch.compile(hf, fullgraph=True)  # Inductor fuses repeat_kv's copy
+    rows = [("hf_repeat_kv_sdpa", hf, True), ("hf_compiled", compiled, True),
+            ("gqa_nomask", gqa, False),
             ("qfuse", lambda: torch.ops.qfuse.decode_attention(q, k, v, mask, None), True)]
     if Sq == 1:  # pack_gqa as transformers 5.24 does it: one query position only
         rows.insert(1, ("sdpa_pack_gqa_mask", pack_gqa, True))
