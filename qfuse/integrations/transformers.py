@@ -46,6 +46,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from qfuse.config import QConfig
 from qfuse.errors import FormatError, QFuseError
 from qfuse.fusion.patterns import Skipped
+from qfuse.integrations import attention as qfuse_attention
 from qfuse.integrations import decode_graphs
 from qfuse.integrations.layout import LAYOUT_VERSION, describe, finish, rebuild
 from qfuse.state import LayerRecord, QFuseState, get_state, set_state
@@ -131,6 +132,7 @@ class QFuseHfQuantizer(HfQuantizer):
         finish(model, self.quantization_config.modules)
         set_state(model, self.quantization_config.state())
         decode_graphs.install(model)
+        qfuse_attention.install(model)
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -184,6 +186,7 @@ def attach(model) -> None:
     if isinstance(model, PreTrainedModel):
         model.hf_quantizer = QFuseHfQuantizer(QFuseConfig(), pre_quantized=True)
         decode_graphs.install(model)
+        qfuse_attention.install(model)
 
 
 def register() -> None:
