@@ -137,7 +137,9 @@ PLANS["decode"] = (
 # that explain it: batch-1 decode graphed and compiled.
 PLANS["generate"] = (
     ("generate", 1, "generate", ("bf16", "qfuse_int8", "qfuse_fp8")),
+    ("generate", 1, "generate-decodegraphs-attn", ("bf16",)),
     ("generate", 1, "generate-decodegraphs", ("bf16",)),
+    ("generate", 1, "generate-sdpa", ("qfuse_int8",)),
     ("generate", 1, "generate-trees", ("qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
@@ -652,20 +654,31 @@ def decode_machinery(model, mode: str):
     it (a converted model carries qfuse's ``DecodeGraphs``; bf16 gets transformers' own
     ``torch.compile(mode="reduce-overhead")``, CUDA-graph trees); ``generate-trees``:
     transformers' own on any model; ``generate-decodegraphs``: qfuse's on any model (bf16's row
-    beside qfuse's: how much of qfuse's gain is the graphs' host time, how much its kernels)."""
-    from qfuse.integrations import decode_graphs
+    beside qfuse's: how much of qfuse's gain is the graphs' host time, how much its kernels);
+    ``generate-decodegraphs-attn``: qfuse's graphs and its decode attention
+    (``integrations.attention``) on any model, bf16 included (every part of qfuse that is not
+    quantization); ``generate-sdpa``: qfuse's graphs with transformers' SDPA attention (a
+    converted model without qfuse's attention)."""
+    from qfuse.integrations import attention, decode_graphs
 
     saved = model.__dict__.get("_compiled_call")
+    saved_attn = model.config._attn_implementation
     try:
         if mode == "generate-trees":
             model.__dict__.pop("_compiled_call", None)
-        elif mode == "generate-decodegraphs":
+        elif mode in ("generate-decodegraphs", "generate-decodegraphs-attn", "generate-sdpa"):
             model._compiled_call = decode_graphs.DecodeGraphs(model)
+        if mode == "generate-decodegraphs-attn":
+            attention.install(model)
+        elif mode == "generate-sdpa" and saved_attn != "sdpa":
+            model.set_attn_implementation("sdpa")
         yield
     finally:
         model.__dict__.pop("_compiled_call", None)
         if saved is not None:
             model._compiled_call = saved
+        if model.config._attn_implementation != saved_attn:
+            model.set_attn_implementation(saved_attn)
 
 
 def decode_graph_stats(model) -> dict:
@@ -719,7 +732,7 @@ def generate_row(rows, out_path, impl, model, batch, prompt, vocab, device,
         ref = _GENERATED.get((batch, prompt))
         row.update(median_us=per_token * 1e6, tokens_per_s=batch / per_token,
                    wall_s_short=times[short], wall_s_long=times[long])
-        row.update(decode_graph_stats(model))
+        row.update(decode_graph_stats(model), attention=model.config._attn_implementation)
         if ref is not None:
             row["token_agree"] = (new == ref).double().mean().item()
     except Exception as exc:  # noqa: BLE001 — a failing row is a result, not a crash

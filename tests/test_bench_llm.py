@@ -43,11 +43,18 @@ def test_tiny_run_writes_checked_rows(tmp_path):
 def test_generate_rows_time_generate_as_a_user_calls_it(tmp_path):
     out = tmp_path / "llm.json"
     bench_llm.main(["--tiny", "--plan", "generate", "--impls", "bf16,qfuse_int8", "--out",
-                    str(out), "--modes", "generate,generate-trees,generate-decodegraphs"])
+                    str(out), "--modes", "generate,generate-trees,generate-decodegraphs,"
+                    "generate-decodegraphs-attn,generate-sdpa"])
     data = json.loads(out.read_text())
     assert {(r["impl"], r["mode"]) for r in data["rows"]} == {
         ("bf16", "generate"), ("qfuse_int8", "generate"), ("qfuse_int8", "generate-trees"),
-        ("bf16", "generate-decodegraphs")}
+        ("bf16", "generate-decodegraphs"), ("bf16", "generate-decodegraphs-attn"),
+        ("qfuse_int8", "generate-sdpa")}
+    # the attention each row ran: a converted model carries qfuse's, bf16 gets it only there
+    attn = {(r["impl"], r["mode"]): r["attention"] for r in data["rows"]}
+    assert attn[("qfuse_int8", "generate")] == attn[("bf16", "generate-decodegraphs-attn")] \
+        == "qfuse"
+    assert attn[("bf16", "generate")] == attn[("qfuse_int8", "generate-sdpa")] == "sdpa"
     rows = {r["impl"]: r for r in data["rows"] if r["mode"] == "generate"}
     for r in rows.values():
         assert r["phase"] == "generate" and "error" not in r, r
