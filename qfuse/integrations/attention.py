@@ -20,7 +20,9 @@ broadcastable to [B, H, Sq, L]. Every other call (prefill above all) goes to tra
 
 from __future__ import annotations
 
+import importlib.abc
 import os
+import sys
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -83,13 +85,44 @@ def qfuse_attention_forward(module, query, key, value, attention_mask, dropout=0
                                   position_bias=position_bias, **kwargs)
 
 
-def register() -> None:
-    """Register ``"qfuse"`` in transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def register() -> bool:
+    """Register ``"qfuse"`` in transformers' attention and mask interfaces (idempotent).
+    False while transformers cannot give them yet: qfuse's quantizer hook runs inside
+    ``transformers.modeling_utils``' own import, before that module defines
+    ``AttentionInterface`` (``_RetryRegister`` then registers on a later import)."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    masking_utils = sys.modules.get("transformers.masking_utils")
+    if modeling_utils is None or masking_utils is None:
+        import transformers.masking_utils
+        import transformers.modeling_utils
 
-    AttentionInterface.register(NAME, qfuse_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+        modeling_utils, masking_utils = transformers.modeling_utils, transformers.masking_utils
+    interface = getattr(modeling_utils, "AttentionInterface", None)
+    masks = getattr(masking_utils, "AttentionMaskInterface", None)
+    sdpa_mask = getattr(masking_utils, "sdpa_mask", None)
+    if interface is None or masks is None or sdpa_mask is None:
+        return False
+    interface.register(NAME, qfuse_attention_forward)
+    masks.register(NAME, sdpa_mask)
+    return True
+
+
+class _RetryRegister(importlib.abc.MetaPathFinder):
+    """Retries ``register`` at each later import until it succeeds, then does nothing (it
+    stays in ``sys.meta_path``: removing a finder while the import system walks that list
+    would skip the next one). Finds no module itself."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def find_spec(self, fullname, path, target=None):
+        if not self.done:
+            self.done = True  # a nested import inside register() must not re-enter
+            try:
+                self.done = register()
+            except ImportError:
+                self.done = False
+        return None
 
 
 def install(model) -> bool:
@@ -109,7 +142,7 @@ def install(model) -> bool:
     """
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
-    if not callable(getattr(model, "set_attn_implementation", None)):
+    if not callable(getattr(model, "set_attn_implementation", None)) or not register():
         return False
     if not enabled():
         if current == NAME:  # switched earlier (a pickled model): back to transformers' SDPA
@@ -124,5 +157,7 @@ def install(model) -> bool:
 
 
 # A pickled or saved model may carry "qfuse" in its config: registered whenever qfuse's
-# transformers integration loads (it imports this module).
-register()
+# transformers integration loads (it imports this module), or on the next import after that
+# when transformers was still defining its interfaces.
+if not register():
+    sys.meta_path.append(_RetryRegister())

@@ -193,3 +193,27 @@ def test_gpu_generate_static_cache_compiled(batch):
         expected = ref.generate(ids, attention_mask=mask, **greedy)
         out = model.generate(ids, attention_mask=mask, **greedy)
     assert torch.equal(out, expected)
+
+
+def test_registration_waits_for_transformers_interfaces(monkeypatch):
+    """qfuse's quantizer hook runs inside transformers.modeling_utils' own import (transformers
+    5.17), before AttentionInterface exists there: registering then reports False instead of
+    failing the import (which would lose the quantizer too), and a later import registers."""
+    import sys
+    import types
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from qfuse.integrations import attention
+
+    monkeypatch.delitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.NAME)
+    partial = types.ModuleType("transformers.modeling_utils")  # mid-import: no interface yet
+    real = sys.modules["transformers.modeling_utils"]
+    monkeypatch.setitem(sys.modules, "transformers.modeling_utils", partial)
+    assert attention.register() is False
+    retry = attention._RetryRegister()
+    assert retry.find_spec("json", None) is None and not retry.done
+    monkeypatch.setitem(sys.modules, "transformers.modeling_utils", real)
+    assert retry.find_spec("json", None) is None and retry.done  # registered, finds nothing
+    assert ALL_ATTENTION_FUNCTIONS._global_mapping[attention.NAME] is (
+        attention.qfuse_attention_forward)
