@@ -41,6 +41,56 @@ _OUT_CODES = {torch.int8: 1, FP8: 2}  # anything else: the float dtype of q (cod
 
 
 @triton.jit
+def flash_tile(q, cols, end, row_ok, offs_d, d_ok, k_base, v_base, m_base,
+               stride_kl, stride_kd, stride_vl, stride_vd, stride_ml, m_i, l_i, acc,
+               QK_SCALE: tl.constexpr, MASK: tl.constexpr, EXACT: tl.constexpr,
+               IEEE: tl.constexpr, Y_MANT: tl.constexpr, Y_EMIN: tl.constexpr):
+    """One key tile of the online softmax (shared with ``decode_attention``): the scores of the
+    rows of ``q`` against keys ``cols`` (those at or past ``end`` dropped), masked (``MASK``: 0
+    none, 1 boolean, 2 additive; a key is dropped where a boolean mask is False or an additive
+    one -inf), folded into the running row max ``m_i`` (log2 domain), row sum ``l_i`` and
+    unnormalized output ``acc``. Returns the three updated."""
+    col_ok = cols < end
+    kt = tl.load(k_base + cols[None, :] * stride_kl + offs_d[:, None] * stride_kd,
+                 mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    if EXACT:  # the interpreter's dot reads bf16/fp16 operands as their raw bits: upcast
+        kt = kt.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = s * QK_SCALE
+    keep = row_ok[:, None] & col_ok[None, :]
+    if MASK == 1:
+        mv = tl.load(m_base + cols[None, :] * stride_ml, mask=keep, other=0)
+        keep = keep & (mv != 0)
+    elif MASK == 2:
+        mv = tl.load(m_base + cols[None, :] * stride_ml, mask=keep, other=0.0).to(tl.float32)
+        keep = keep & (mv != float("-inf"))
+        # finfo.min masks (transformers') would overflow to -inf times log2 e; clamped they
+        # stay finite, so a row masked everywhere with them still averages as SDPA's does.
+        s = s + tl.maximum(mv, -2.0e38) * 1.4426950408889634
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + cols[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    if EXACT:  # P on v's grid as the GPU's cast rounds it (the interpreter's truncates)
+        v = v.to(tl.float32)
+        if Y_MANT > 0:
+            p = round_to_float_grid(p, Y_MANT, Y_EMIN)
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attention_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, mask_ptr, inv_scale_ptr, zp_ptr, out_ptr,
@@ -85,46 +135,11 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, S_K, BLOCK_N):
-        cols = start + offs_n
-        col_ok = cols < S_K
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        if EXACT:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * QK_SCALE
-        keep = col_ok[None, :]
-        if MASK == 1:
-            mv = tl.load(m_base + cols[None, :] * stride_mk, mask=row_ok[:, None] & keep,
-                         other=0)
-            keep = keep & (mv != 0)
-        elif MASK == 2:
-            mv = tl.load(m_base + cols[None, :] * stride_mk, mask=row_ok[:, None] & keep,
-                         other=0.0).to(tl.float32)
-            # finfo.min masks (transformers') would overflow to -inf times log2 e; clamped they
-            # stay finite, so a row masked everywhere still averages as SDPA's does.
-            s = s + tl.maximum(mv, -2.0e38) * 1.4426950408889634
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        if EXACT:  # P on v's grid as the GPU's cast rounds it (the interpreter's truncates)
-            v = v.to(tl.float32)
-            if Y_MANT > 0:
-                p = round_to_float_grid(p, Y_MANT, Y_EMIN)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = flash_tile(
+            q, start + offs_n, S_K, row_ok, offs_d, d_ok, k_base, v_base, m_base,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_mk, m_i, l_i, acc,
+            QK_SCALE, MASK, EXACT, IEEE, Y_MANT, Y_EMIN,
+        )
 
     # A row with every key masked: 0, as SDPA's safe softmax gives.
     denom = tl.where(l_i > 0.0, l_i, 1.0)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import DeviceError, ShapeError, UnsupportedError
+from qfuse.kernels.attention import flash_tile
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,43 +87,11 @@ def _decode_attention_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, L)
     for start in range(lo, hi, BLOCK_L):
-        cols = start + offs_l
-        col_ok = cols < hi
-        kt = tl.load(k_base + cols[None, :] * stride_kl + offs_d[:, None] * stride_kd,
-                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        if EXACT:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * QK_SCALE
-        keep = row_ok[:, None] & col_ok[None, :]
-        if MASK == 1:
-            mv = tl.load(m_base + cols[None, :] * stride_ml, mask=keep, other=0)
-            keep = keep & (mv != 0)
-        elif MASK == 2:
-            mv = tl.load(m_base + cols[None, :] * stride_ml, mask=keep, other=0.0).to(tl.float32)
-            keep = keep & (mv != float("-inf"))
-            # finfo.min times log2 e would overflow to -inf: clamped, it stays finite and a row
-            # masked everywhere with it averages as SDPA's does.
-            s = s + tl.maximum(mv, -2.0e38) * 1.4426950408889634
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Nothing kept yet: m = -inf; subtract 0 instead (exp2(-inf) = 0, no NaN).
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vl + offs_d[None, :] * stride_vd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        if EXACT:
-            v = v.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = flash_tile(
+            q, start + offs_l, hi, row_ok, offs_d, d_ok, k_base, v_base, m_base,
+            stride_kl, stride_kd, stride_vl, stride_vd, stride_ml, m_i, l_i, acc,
+            QK_SCALE, MASK, EXACT, IEEE, 0, 0,
+        )
 
     done = True
     if SPLIT:
