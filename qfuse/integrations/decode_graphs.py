@@ -126,6 +126,9 @@ def _with_pdl(opts: dict) -> dict:
     that one wrote. A decode step is ~500 short kernels replayed from one graph, so the gaps
     between them are a large part of its GPU time; qfuse's own GEMMs launch the same way. A
     mode is spelled out as its options, since ``torch.compile`` takes one or the other."""
+    import torch._inductor
+    import torch._inductor.config
+
     from qfuse.kernels import grid
 
     triton_config = getattr(torch._inductor.config, "triton", None)
