@@ -1,7 +1,7 @@
 """A TinyLlama decode step's quantized GEMMs alone, back to back in one CUDA graph: the weight
 stream's bandwidth, with and without programmatic dependent launch (PDL).
 
-    PYTHONPATH=. python bench/decode_chain.py --out $OUT/decode_chain.json     (GPU, ~2 min)
+    PYTHONPATH=. python bench/decode_chain.py --out $OUT/decode_chain.json     (GPU, ~1 min)
     PYTHONPATH=. python bench/decode_chain.py --tiny                            (CPU smoke test)
 
 22 layers of TinyLlama-1.1B's four GEMMs with the epilogues a converted decoder layer gives them
@@ -39,6 +39,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_gemm_ab as ab  # noqa: E402
+from bench_models import graphed  # noqa: E402
 
 LAYERS = 22
 TINY_LAYERS = 2
@@ -101,9 +102,9 @@ def role_cases(M: int, qname: str) -> dict:
 
 
 def chain_us(layers, h0, cfgs, rep: int = 30) -> float:
-    g, _ = graphed(qfuse_step, layers, h0, cfgs)
-    us = triton.testing.do_bench(g.replay, warmup=3, rep=rep, return_mode="median") * 1e3
-    del g
+    replay = graphed(lambda: qfuse_step(layers, h0, cfgs))
+    us = triton.testing.do_bench(replay, warmup=3, rep=rep, return_mode="median") * 1e3
+    del replay
     return us
 
 
@@ -168,19 +169,6 @@ def bf16_step(weights: list[tuple], h: torch.Tensor) -> torch.Tensor:
 def weight_bytes(layers: list[Layer]) -> int:
     return sum(a["weight"].numel() * a["weight"].element_size()
                for L in layers for a in (L.qkv, L.o, L.gate_up, L.down))
-
-
-def graphed(fn, *args):
-    """(graph, its output): ``fn(*args)`` captured after one warm-up call on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(*args)
-    return g, out
 
 
 def cfg_of(layers: list[Layer], h: torch.Tensor, role: str):
@@ -254,8 +242,8 @@ def run(M: int, tiny: bool, device: str, tune: bool = False) -> list[dict]:
             row = {"impl": f"qfuse_{qname}", "pdl": pdl, "M": M, "weight_bytes": nbytes,
                    "qkv_rel_err_vs_reference": qkv_err, "picks": picks(layers, h0)}
             try:
-                g, out = graphed(qfuse_step, layers, h0)
-                g.replay()
+                replay = graphed(lambda ls=layers: qfuse_step(ls, h0))
+                out = replay()
                 torch.cuda.synchronize()
                 same = (torch.equal(out, eager) if qname == "int8"
                         else (out.float() - eager.float()).abs().max().item() == 0.0)
@@ -263,7 +251,7 @@ def run(M: int, tiny: bool, device: str, tune: bool = False) -> list[dict]:
                 if not same:
                     row["error"] = "graph output differs from the eager chain without PDL"
                 else:
-                    us = triton.testing.do_bench(g.replay, warmup=5, rep=60,
+                    us = triton.testing.do_bench(replay, warmup=5, rep=60,
                                                     return_mode="median") * 1e3
                     row.update(chain_us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
             except Exception as exc:  # noqa: BLE001 — a failing variant is a result
@@ -275,13 +263,13 @@ def run(M: int, tiny: bool, device: str, tune: bool = False) -> list[dict]:
         if tune:
             start = {r: cfg_of(layers, h0, r) for r in ROLES}
             best, log = tune_in_chain(layers, h0, M, qname, start)
-            g, out = graphed(qfuse_step, layers, h0, best)
-            g.replay()
+            replay = graphed(lambda ls=layers, c=best: qfuse_step(ls, h0, c))
+            out = replay()
             torch.cuda.synchronize()
             same = (torch.equal(out, eager) if qname == "int8"
                     else (out.float() - eager.float()).abs().max().item() == 0.0)
-            us = triton.testing.do_bench(g.replay, warmup=5, rep=60, return_mode="median") * 1e3
-            del g
+            us = triton.testing.do_bench(replay, warmup=5, rep=60, return_mode="median") * 1e3
+            del replay
             row = {"impl": f"qfuse_{qname}", "pdl": True, "M": M, "tuned_in_chain": True,
                    "weight_bytes": nbytes, "chain_us": us, "tb_s": nbytes / (us * 1e-6) / 1e12,
                    "equals_eager_no_pdl": same if qname == "int8" else None,
@@ -295,8 +283,8 @@ def run(M: int, tiny: bool, device: str, tune: bool = False) -> list[dict]:
     if device != "cpu":
         bl = bf16_layers(build_layers(M, "int8", device, tiny))
         nbytes = sum(w.numel() * 2 for t in bl for w in t)
-        g, out = graphed(bf16_step, bl, h0)
-        us = triton.testing.do_bench(g.replay, warmup=5, rep=60, return_mode="median") * 1e3
+        replay = graphed(lambda: bf16_step(bl, h0))
+        us = triton.testing.do_bench(replay, warmup=5, rep=60, return_mode="median") * 1e3
         rows.append({"impl": "bf16_cublas", "M": M, "weight_bytes": nbytes, "chain_us": us,
                      "tb_s": nbytes / (us * 1e-6) / 1e12})
         print(json.dumps(rows[-1]), flush=True)

@@ -1,6 +1,6 @@
 """The GEMMs of BERT-base and MiniLM one by one, as the fused model runs them, against cuBLAS.
 
-    PYTHONPATH=. python bench/encoder_gemms.py [--out bench/results/encoder_gemms_h200.json]
+    PYTHONPATH=. python bench/encoder_gemms.py [--out $OUT/encoder_gemms_m4096.json]
 
 Whole-model profiles (bench_models.py) give the quantized GEMMs' total; this says, per shape, which
 schedule wins and by how much, so the candidate list in ``kernels/schedules.py`` is set from

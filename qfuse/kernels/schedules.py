@@ -110,8 +110,9 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     # their K loop is 3 iterations deep; measured on the H200, qfuse's GEMMs in MiniLM 32x128
     # took 480 us against cuBLAS bf16's 275 with only those. Smaller tiles fill the GPU.
     if N * K <= 4096 * 4096:
-        # Timed by GPU time on the H200 (bench/results/encoder_gemms_h200.json), 128x128x64 on
-        # one warpgroup won 11 of BERT-base's 16 (layer, dtype) cases at M=4096: its 64 KB of
+        # Timed by GPU time on the H200
+        # (bench/results/earlier/encoder_gemms_h200_c4ef480.json), 128x128x64 on one warpgroup
+        # won 11 of BERT-base's 16 (layer, dtype) cases at M=4096: its 64 KB of
         # stages and 128 registers a thread leave room for two programs per SM, so one's
         # epilogue overlaps the other's MMAs.
         for bm, bn, bk, warps, stages, epi in ((128, 128, 64, 4, 4, 1), (128, 128, 64, 4, 3, 1),
