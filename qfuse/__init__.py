@@ -8,9 +8,15 @@
 """
 
 from qfuse import integrations as _integrations
+from qfuse._version import __version__
+from qfuse.algorithms.gptq import GPTQ
+from qfuse.algorithms.smoothquant import SmoothQuant
+from qfuse.analysis.fallback import FallbackResult, auto_fallback
+from qfuse.analysis.routing import CostModel, RoutePlan, route
+from qfuse.analysis.sensitivity import SensitivityReport, sensitivity
+from qfuse.analysis.summary import Summary, summary
 from qfuse.calibrate import calibrate_sequential
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
-from qfuse.convert import convert
 from qfuse.errors import (
     BackendError,
     CalibrationError,
@@ -26,23 +32,17 @@ from qfuse.errors import (
 )
 from qfuse.export import export_onnx, export_program, export_torchscript, load, save
 from qfuse.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
-from qfuse.fallback import FallbackResult, auto_fallback
-from qfuse.gptq import GPTQ
+from qfuse.flows.convert import convert
+from qfuse.flows.prepare import prepare
+from qfuse.flows.qat import QATConfig, prepare_qat, sync_observers
 from qfuse.ops.backend import Backend, resolve_backend, use_backend
 from qfuse.pipeline import PipelineOptions
-from qfuse.prepare import prepare
-from qfuse.qat import QATConfig, prepare_qat, sync_observers
-from qfuse.routing import CostModel, RoutePlan, route
-from qfuse.sensitivity import SensitivityReport, sensitivity
-from qfuse.smoothquant import SmoothQuant
-from qfuse.summary import Summary, summary
 from qfuse.tools.search import SearchResult, SearchSpace, search
-
-__version__ = "0.1.0"
 
 _integrations.install()  # transformers: quant_method "qfuse" (save/from_pretrained)
 
 __all__ = [
+    "__version__",
     "Backend",
     "BackendError",
     "CalibrationError",

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["sweep", "--recipe", "no_such_recipe", "--quiet"])
         2
     """
-    from qfuse import __version__
+    from qfuse._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="qfuse",

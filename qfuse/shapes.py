@@ -23,7 +23,7 @@ def served_shapes(gm: fx.GraphModule) -> dict[str, str]:
 
     Example:
         >>> import torch, qfuse
-        >>> from qfuse.capture import capture
+        >>> from qfuse.pipeline.capture import capture
         >>> gm = capture(torch.nn.Linear(16, 4), (torch.randn(2, 5, 16),))
         >>> served_shapes(gm)
         {'input': '(*, *, 16)'}

@@ -32,14 +32,14 @@ class QFuseState:
     observers: dict[str, str] = field(default_factory=dict)  # chain input node -> observer module
     layers: list[LayerRecord] = field(default_factory=list)
     folded_batchnorms: list[str] = field(default_factory=list)
-    smoothquant: object | None = None  # qfuse.smoothquant.SmoothQuant when enabled
+    smoothquant: object | None = None  # qfuse.algorithms.smoothquant.SmoothQuant when enabled
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
-    gptq: object | None = None  # qfuse.gptq.GPTQ when enabled
+    gptq: object | None = None  # qfuse.algorithms.gptq.GPTQ when enabled
     hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
     # Objects with ``apply(plan)`` that convert runs on its per-layer plan after SmoothQuant and
-    # GPTQ (QAT's learned scales: qfuse.qat.lower).
+    # GPTQ (QAT's learned scales: qfuse.flows.qat.lower).
     plan_transforms: list = field(default_factory=list)
-    qat: object | None = None  # qfuse.qat.prepare.QATRecord on a model from qfuse.prepare_qat
+    qat: object | None = None  # qfuse.flows.qat.prepare.QATRecord on a model from qfuse.prepare_qat
     merged: list[list[str]] = field(default_factory=list)  # sibling Linears merged (members)
     source: object | None = None  # qfuse.validate.ModelRef: the user's model (output="model")
     pipeline: object | None = None  # qfuse.pipeline.PipelineOptions the graph passes ran with

@@ -1,6 +1,6 @@
 """Static INT8 (and FP8) PTQ of a small CNN+MLP on scikit-learn's digits: the qfuse main job.
 
-    python -m recipes.ptq_digits            # trains (or loads the cached checkpoint), quantizes,
+    python -m qfuse.recipes.ptq_digits         # trains (or loads the cached checkpoint), quantizes,
                                             # prints fp32 vs int8/fp8 accuracy, latency, fusion
 
 Runs on CPU in well under 2 minutes on 2 cores (the torch reference kernels) and on CUDA when
@@ -13,10 +13,10 @@ import argparse
 from pathlib import Path
 
 import torch
+from qfuse.calibration.digits import batches, load_digits_splits
 from torch import nn
 
 import qfuse
-from calibration.digits import batches, load_digits_splits
 from qfuse.fileio import atomic_path
 from qfuse.tools.timing import median_ms
 

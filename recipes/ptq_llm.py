@@ -1,8 +1,8 @@
 """PTQ and QAT of a trained Llama (``calibration/llm/``, made by ``recipes.train_llm``) with qfuse.
 
-    python -m recipes.ptq_llm                          # every config; CPU, 2 threads
-    python -m recipes.ptq_llm --peer /work/venv-llmc/bin/python   # + llm-compressor, same data
-    python -m recipes.ptq_llm --configs "fp8 static,int8 dynamic" --heldout 64 --qat-steps 0
+    python -m qfuse.recipes.ptq_llm                          # every config; CPU, 2 threads
+    python -m qfuse.recipes.ptq_llm --peer /work/venv-llmc/bin/python  # + llm-compressor, same data
+    python -m qfuse.recipes.ptq_llm --configs "fp8 static,int8 dynamic" --heldout 64 --qat-steps 0
 
 Each config is used as a user would: ``qfuse.prepare`` on the float model, calibration windows
 through it, ``qfuse.convert(output="model")`` (a ``LlamaForCausalLM`` again, LM head kept float
@@ -37,10 +37,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import torch  # noqa: E402
+from qfuse.calibration import llm as data  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import qfuse  # noqa: E402
-from calibration import llm as data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LM_HEAD = {"lm_head": "LM head kept float (its rounding lands on the logits unaveraged)"}

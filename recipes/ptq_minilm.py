@@ -1,6 +1,6 @@
 """Static PTQ of all-MiniLM-L6-v2 (real pretrained weights, offline) with qfuse.
 
-    python -m recipes.ptq_minilm             # CPU: the reference kernels; CUDA when present
+    python -m qfuse.recipes.ptq_minilm             # CPU: the reference kernels; CUDA when present
 
 Quality metric: cosine similarity between the quantized and the fp32 sentence embeddings (mean
 pooling, L2-normalised, as sentence-transformers computes them) on held-out sentences that the
@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import torch  # noqa: E402
+from qfuse.calibration.sentences import calibration_sentences, heldout_sentences  # noqa: E402
 
 import qfuse  # noqa: E402
-from calibration.sentences import calibration_sentences, heldout_sentences  # noqa: E402
 from qfuse.tools.timing import median_ms  # noqa: E402
 
 DYNAMIC = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}

@@ -1,6 +1,6 @@
 """Static INT8 and FP8 PTQ of a small basic-block ResNet on scikit-learn's digits (16x16).
 
-    python -m recipes.ptq_resnet            # trains (or loads the cached checkpoint), quantizes,
+    python -m qfuse.recipes.ptq_resnet         # trains (or loads the cached checkpoint), quantizes,
                                             # prints fp32 vs int8/fp8 accuracy, latency, fusion
 
 Every convolution fuses with its folded BatchNorm and ReLU; each block's residual add and the
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from qfuse.calibration.digits import load_digits_splits
+from qfuse.recipes.ptq_digits import digits_spec, print_results, ptq_results
 from torch import nn
 
 import qfuse
-from calibration.digits import load_digits_splits
 from qfuse.fileio import atomic_path
-from recipes.ptq_digits import digits_spec, print_results, ptq_results
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SIZE = 16  # digits are 8x8; upsampled so that two stride-2 stages leave a 4x4 map

@@ -1,9 +1,9 @@
 """QAT of the digits CNN+MLP on a configuration where PTQ loses, on one process or N (DDP).
 
-    python -m recipes.qat_digits                    # fp32 / PTQ / QAT accuracy side by side
-    python -m recipes.qat_digits --ddp 2            # QAT (and PTQ calibration) on 2 processes:
+    python -m qfuse.recipes.qat_digits                    # fp32 / PTQ / QAT accuracy side by side
+    python -m qfuse.recipes.qat_digits --ddp 2           # QAT (and PTQ calibration) on 2 processes:
                                                     # gloo on CPU, nccl with one GPU per process
-    torchrun --nproc-per-node 2 -m recipes.qat_digits   # the same under torchrun
+    torchrun --nproc-per-node 2 -m qfuse.recipes.qat_digits   # the same under torchrun
 
 The hard configuration: int8 with per-tensor weights, and planted activation outliers: two
 channels after each Conv+BN are scaled up 80x (BatchNorm's gamma and beta) and the next layer's
@@ -20,12 +20,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from qfuse.calibration.digits import batches, load_digits_splits
+from qfuse.recipes.ptq_digits import accuracy, load_or_train
 from torch import nn
 from tqdm.auto import tqdm
 
 import qfuse
-from calibration.digits import batches, load_digits_splits
-from recipes.ptq_digits import accuracy, load_or_train
 
 CONFIG = qfuse.QConfig(weight_granularity=qfuse.PerTensor())  # int8, per-tensor weights
 FACTOR = 80.0  # outlier channels' scale-up

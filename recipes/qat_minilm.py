@@ -1,7 +1,7 @@
 """QAT fine-tune of all-MiniLM-L6-v2 (real weights, offline) to static int8, distilled from fp32.
 
-    python -m recipes.qat_minilm             # CPU, 2 threads: ~4 minutes (the 200 QAT steps: ~1)
-    python -m recipes.qat_minilm --steps 40  # a quick look
+    python -m qfuse.recipes.qat_minilm          # CPU, 2 threads: ~4 minutes (the 200 QAT steps: ~1)
+    python -m qfuse.recipes.qat_minilm --steps 40  # a quick look
 
 Starts from PTQ's best static int8 recipe without GPTQ (histogram-MSE asymmetric activations,
 SmoothQuant 0.5: its scales and smoothing factors carry over), then trains the fake-quant model on
@@ -22,12 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-import qfuse  # noqa: E402
-from calibration.sentences import calibration_sentences, heldout_sentences  # noqa: E402
-from recipes.ptq_minilm import (  # noqa: E402
+from qfuse.calibration.sentences import calibration_sentences, heldout_sentences  # noqa: E402
+from qfuse.recipes.ptq_minilm import (  # noqa: E402
     DYNAMIC,
     batched,
     calibrated,
@@ -36,6 +32,10 @@ from recipes.ptq_minilm import (  # noqa: E402
     load_minilm,
     tokenize,
 )
+from torch import nn  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import qfuse  # noqa: E402
 
 
 def without_dropout(model: nn.Module) -> nn.Module:

@@ -1,7 +1,7 @@
 """Train the small Llama that qfuse's LLM recipes measure on (``calibration/llm/``).
 
-    python -m recipes.train_llm                    # writes calibration/llm/ (see its manifest.json)
-    python -m recipes.train_llm --steps 20 --out /tmp/llm   # a smoke run
+    python -m qfuse.recipes.train_llm              # writes calibration/llm/ (see its manifest.json)
+    python -m qfuse.recipes.train_llm --steps 20 --out /tmp/llm   # a smoke run
 
 No LLM weights can be downloaded where qfuse is developed, and accuracy measured on random weights
 says nothing (the outputs are noise to begin with), so this trains one: a 4-layer
@@ -207,7 +207,7 @@ def main() -> None:
     sep = EOS  # the tokenizer reads it back as one token: the same ids as in training
     (args.out / "heldout.txt").write_text(sep.join(t for _, t in held_files), encoding="utf-8")
     calib = [t for p, t in train_files if p in CALIBRATION]
-    (args.out / "calibration.txt").write_text(sep.join(calib), encoding="utf-8")
+    (args.out / "qfuse.calibration.txt").write_text(sep.join(calib), encoding="utf-8")
     manifest = {
         "python_stdlib": sysconfig.get_paths()["stdlib"],
         "training_files": len(train_files),

@@ -5,10 +5,11 @@ with a depthwise conv, squeeze-excitation and hardswish."""
 from __future__ import annotations
 
 import torch
+from qfuse.recipes.ptq_resnet import (
+    BasicBlock,  # the recipe's block: one definition, tested here too
+)
 from torch import nn
 from torch.nn import functional as F
-
-from recipes.ptq_resnet import BasicBlock  # the recipe's block: one definition, tested here too
 
 
 class Bottleneck(nn.Module):

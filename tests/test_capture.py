@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from qfuse.capture import capture, follow_input_device
+from qfuse.pipeline.capture import capture, follow_input_device
 
 
 class MakesPositions(nn.Module):

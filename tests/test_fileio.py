@@ -57,9 +57,9 @@ def test_docstring_examples():
 
 
 def test_one_cache_directory_for_tuning_and_routing(tmp_path, monkeypatch):
+    from qfuse.analysis.routing import CostModel
     from qfuse.fileio import cache_dir
     from qfuse.kernels import tuning
-    from qfuse.routing import CostModel
 
     monkeypatch.delenv("QFUSE_CACHE_DIR", raising=False)
     monkeypatch.setenv("QFUSE_CACHE", str(tmp_path / "old"))  # the routing cache's older name

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import qfuse
+from qfuse.algorithms.gptq import GPTQ, gptq_round, round_layer, select
 from qfuse.errors import CalibrationError, UnsupportedError
 from qfuse.fusion.patterns import Chain
-from qfuse.gptq import GPTQ, gptq_round, round_layer, select
 from qfuse.observers.hessian import InputHessian
 from qfuse.primitives import quantize_weight, quantize_weight_fp8, weight_codes, weight_scale
 from tests.models import ConvNet, LNBlock, randomize_batchnorm, sqnr_db
@@ -152,7 +152,7 @@ def test_round_layer_caches_and_applies_the_smoothing_factors(monkeypatch):
     direct = gptq_round(ws, second_moment(x / s_in), scale, torch.int8, GPTQ())
     assert (q == direct).float().mean() > 0.99  # H / (s s^T) vs E[(x/s)(x/s)^T]: rounding only
     calls = []
-    monkeypatch.setattr("qfuse.gptq.gptq_round", lambda w, *a, **k: calls.append(1) or w)
+    monkeypatch.setattr("qfuse.algorithms.gptq.gptq_round", lambda w, *a, **k: calls.append(1) or w)
     assert torch.equal(round_layer(rec, "fc", ws, scale, torch.int8, GPTQ(), s_in), q)
     assert calls == []
     rec(x)  # new calibration data: solve again
@@ -247,7 +247,7 @@ def test_converting_again_reuses_the_solution(monkeypatch):
     model = Correlated().eval()
     prepared, first = quantize(model, qfuse.QConfig.int8_static(), correlated(512, 64), gptq=GPTQ())
     calls = []
-    monkeypatch.setattr("qfuse.gptq.gptq_round", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("qfuse.algorithms.gptq.gptq_round", lambda *a, **k: calls.append(1))
     again = qfuse.convert(prepared, keep_float={"fc2": "test"})
     assert calls == [] and torch.equal(again.fc1.weight, first.fc1.weight)
 

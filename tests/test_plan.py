@@ -1,4 +1,4 @@
-"""``qfuse.plan``: SmoothQuant, GPTQ and the state's own transforms run in order over one
+"""``qfuse.flows.plan``: SmoothQuant, GPTQ and the state's own transforms run in order over one
 per-layer plan, and convert builds what the plan ends with."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import qfuse
-from qfuse.plan import GPTQTransform, LayerPlan, SmoothQuantTransform, transforms
+from qfuse.flows.plan import GPTQTransform, LayerPlan, SmoothQuantTransform, transforms
 from qfuse.state import get_state
 from tests.models import LNBlock
 

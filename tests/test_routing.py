@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 import qfuse
-from qfuse.routing import CostModel, DeviceRates, analytic_us
+from qfuse.analysis.routing import CostModel, DeviceRates, analytic_us
 
 # The rates these tests reason with, stated here: retuning the shipped H200 defaults
 # (routing.DeviceRates) must not break them, only a change in how routing uses rates may.

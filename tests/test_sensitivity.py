@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import qfuse
-from qfuse.sensitivity import output_sqnr_db
+from qfuse.analysis.sensitivity import output_sqnr_db
 
 
 def planted_model() -> nn.Sequential:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.plan import LayerPlan
-from qfuse.smoothquant import factors
+from qfuse.algorithms.smoothquant import factors
+from qfuse.flows.plan import LayerPlan
 from qfuse.state import get_state
 from tests.models import LNBlock, sqnr_db
 

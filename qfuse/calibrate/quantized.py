@@ -14,17 +14,17 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+from qfuse.algorithms.gptq import round_layer
 from qfuse.calibrate.stages import Stage
 from qfuse.config import PerChannel
 from qfuse.errors import UnsupportedError
-from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.gptq import round_layer
-from qfuse.primitives import choose_qparams, weight_scale
-from qfuse.qat.fake_quant import (
+from qfuse.flows.qat.fake_quant import (
     fake_quantize_activation,
     fake_quantize_per_token,
     fake_quantize_weight,
 )
+from qfuse.fusion.graph_utils import attr_tensor
+from qfuse.primitives import choose_qparams, weight_scale
 from qfuse.state import get_state
 
 

@@ -26,18 +26,18 @@ from torch import fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
+from qfuse.algorithms.gptq import remember, round_layer
 from qfuse.calibrate import checkpoint
 from qfuse.calibrate.distributed import assign, rank, share, sync_recorders
 from qfuse.calibrate.quantized import quantized_twin
 from qfuse.calibrate.shards import ShardedWeights
 from qfuse.calibrate.stages import Stage, split_stages
-from qfuse.capture import inline_grad_wrappers
 from qfuse.config import PerChannel
 from qfuse.errors import CalibrationError, QFuseError, UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
-from qfuse.gptq import remember, round_layer
 from qfuse.observers.base import observers_disabled
 from qfuse.observers.distributed import world_size
+from qfuse.pipeline.capture import inline_grad_wrappers
 from qfuse.primitives import weight_scale
 from qfuse.state import get_state
 
@@ -152,7 +152,8 @@ def _prune(cache: list[dict], later: list[Stage]) -> None:
 def round_chains(prepared: fx.GraphModule, chains, group=None) -> int:
     """GPTQ for ``chains`` of a calibrated ``prepared`` where their weights are now (the
     device), each rounded by one rank (``distributed.assign``) and cached on every rank where
-    ``qfuse.convert`` looks for it (``qfuse.gptq.round_layer``). Returns how many were rounded.
+    ``qfuse.convert`` looks for it (``qfuse.algorithms.gptq.round_layer``). Returns how many
+    were rounded.
 
     Rounds with the config's dtype; SmoothQuant's layers are left to convert, which scales their
     weights first (so does a ``layer_dtypes`` override: convert rounds again for it)."""

@@ -341,10 +341,10 @@ class ShardedWeights:
 
     def restore(self, solved: dict) -> None:
         """Put every tensor read from the checkpoint back, on the CPU, for ``qfuse.convert``.
-        ``solved`` maps a weight's target to GPTQ's cached result for it (``qfuse.gptq.Solved``),
-        whose float weight the parameter then shares (so a weight edited in place between
-        calibration and convert would not be seen as new: calibrate again after editing); the
-        rest is read once more."""
+        ``solved`` maps a weight's target to GPTQ's cached result for it
+        (``qfuse.algorithms.gptq.Solved``), whose float weight the parameter then shares (so a
+        weight edited in place between calibration and convert would not be seen as new:
+        calibrate again after editing); the rest is read once more."""
         rest = []
         for i, meta in self.meta.items():
             hit = next((solved[n] for n in self.names[i] if n in solved), None)

@@ -21,13 +21,13 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from qfuse.config import PerTensor, PerToken, QConfig
-from qfuse.convert import convert
 from qfuse.errors import FormatError, UnsupportedError
 from qfuse.export.ct_layers import CTLinear, graph_slots, model_slots
 from qfuse.export.ct_scheme import Scheme, matches, read_groups
+from qfuse.flows.convert import convert
+from qfuse.flows.prepare import prepare
 from qfuse.fusion.patterns import GATED
 from qfuse.fusion.siblings import merged_path
-from qfuse.prepare import prepare
 from qfuse.primitives import FP8_E4M3_MAX
 from qfuse.state import get_state
 

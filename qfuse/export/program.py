@@ -13,10 +13,10 @@ import warnings
 import torch
 from torch import fx
 
-from qfuse.capture import default_dynamic_shapes
 from qfuse.errors import CaptureError
 from qfuse.export.checks import converted_state, normalize_inputs
 from qfuse.fileio import atomic_path
+from qfuse.pipeline.capture import default_dynamic_shapes
 
 
 def export_program(

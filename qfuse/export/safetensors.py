@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from qfuse.capture import capture
+from qfuse._version import __version__
+from qfuse.analysis.summary import summary
 from qfuse.errors import FormatError
 from qfuse.export.checks import converted_state, normalize_inputs
 from qfuse.export.format import (
@@ -48,15 +49,8 @@ from qfuse.fusion.guards import add_runtime_guards
 from qfuse.fusion.patterns import Chain
 from qfuse.fusion.rewrite import module_paths
 from qfuse.pipeline import CAPTURE, FUSED, PipelineOptions, mismatches, run_capture, run_fused
+from qfuse.pipeline.capture import capture
 from qfuse.state import QFuseState, set_state
-from qfuse.summary import summary
-
-
-def _qfuse_version() -> str:
-    # Read at call time: qfuse/__init__.py imports this module before it sets __version__.
-    import qfuse
-
-    return qfuse.__version__
 
 
 def save(qmodel: fx.GraphModule, path: str | os.PathLike) -> None:
@@ -90,7 +84,7 @@ def save(qmodel: fx.GraphModule, path: str | os.PathLike) -> None:
     metadata = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "qfuse_version": _qfuse_version(),
+        "qfuse_version": __version__,
         "torch_version": torch.__version__,
         "config": state.config.to_dict(),
         "chains": [paths[c.name] for c in state.chains],

@@ -37,7 +37,7 @@ def _bn_output(bn: fx.Node) -> fx.Node | None:
 
 def fold_conv_bn(weight, bias, gamma, beta, mean, var, eps: float):
     """The folded ``(weight, bias)`` in the weight's dtype (float64 inside). Differentiable: QAT
-    trains through it (qfuse/qat/conv_bn.py), and convert folds with this same function."""
+    trains through it (qfuse/flows/qat/conv_bn.py), and convert folds with this same function."""
     inv_std = torch.rsqrt(var.double() + eps)
     g = gamma.double() * inv_std if gamma is not None else inv_std
     new_w = (weight.double() * g.reshape(-1, 1, 1, 1)).to(weight.dtype)

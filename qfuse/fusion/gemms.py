@@ -81,7 +81,7 @@ def canonicalize_gemms(gm: fx.GraphModule) -> int:
 
     Example:
         >>> import torch
-        >>> from qfuse.capture import capture
+        >>> from qfuse.pipeline.capture import capture
         >>> class Proj(torch.nn.Module):  # transformers' Conv1D: weight stored [in, out]
         ...     def __init__(self):
         ...         super().__init__()

@@ -13,6 +13,8 @@ import importlib.util
 import sys
 import warnings
 
+from qfuse.flows.swap import AFTER_SWAP
+
 _REGISTRY = "transformers.quantizers.auto"
 
 
@@ -47,8 +49,20 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _attach(model) -> None:
+    """A model ``output="model"`` returns: a transformers ``PreTrainedModel`` gets qfuse's
+    quantizer (``save_pretrained``) and decode graphs. transformers has been imported if the
+    model is one of its classes."""
+    if "transformers.modeling_utils" in sys.modules:
+        from qfuse.integrations.transformers import attach
+
+        attach(model)
+
+
 def install() -> None:
-    """Register with transformers now or when it is imported."""
+    """Register with transformers now or when it is imported, and with the model swap."""
+    if _attach not in AFTER_SWAP:
+        AFTER_SWAP.append(_attach)
     if _REGISTRY in sys.modules:
         _register_transformers()
     elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):

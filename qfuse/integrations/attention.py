@@ -27,7 +27,7 @@ import sys
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from qfuse.kernels.decode_attention import DTYPES, MAX_HEAD_DIM, MAX_ROWS
+from qfuse.kernels.attention.decode import DTYPES, MAX_HEAD_DIM, MAX_ROWS
 from qfuse.ops import decode_attention as _op  # noqa: F401 - registers qfuse::decode_attention
 
 NAME = "qfuse"

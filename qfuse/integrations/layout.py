@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from qfuse.errors import FormatError, UnsupportedError
+from qfuse.flows.swap import copy_public_attrs, float_facing, is_float_facing, keep_float_attrs
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.base import QuantizedModule
 from qfuse.nn.gated_mlp import QGatedMLP
 from qfuse.nn.qconv1d import QConv1d
 from qfuse.nn.siblings import QSibling
 from qfuse.state import get_state
-from qfuse.swap import copy_public_attrs, float_facing, is_float_facing, keep_float_attrs
 
 LAYOUT_VERSION = 1
 _QUANTIZED = {"QLinear": QLinear, "QConv2d": QConv2d}

@@ -43,6 +43,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from qfuse._version import __version__
 from qfuse.config import QConfig
 from qfuse.errors import FormatError, QFuseError
 from qfuse.fusion.patterns import Skipped
@@ -75,8 +76,6 @@ class QFuseConfig(QuantizationConfigMixin):
     def of(cls, model) -> QFuseConfig:
         """The record of converted ``model`` (``QFuseError`` if a swapped module cannot be
         described)."""
-        import qfuse
-
         state = get_state(model)
         if state is None or state.stage != "converted":
             raise QFuseError(
@@ -89,7 +88,7 @@ class QFuseConfig(QuantizationConfigMixin):
             layers=[dataclasses.asdict(r) for r in state.layers],
             skipped=[dataclasses.asdict(s) for s in state.skipped],
             folded_batchnorms=list(state.folded_batchnorms),
-            qfuse_version=qfuse.__version__,
+            qfuse_version=__version__,
         )
 
     def state(self) -> QFuseState:

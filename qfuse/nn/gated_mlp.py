@@ -13,7 +13,7 @@ class QGatedMLP(nn.Module):
     computes ``act(gate) * up`` (and, with static scales, quantizes it for ``down``).
 
     ``convert(output="model")`` puts it where the model's MLP module was, when the captured graph
-    shows that module's forward is exactly that product (``qfuse.swap``).
+    shows that module's forward is exactly that product (``qfuse.flows.swap``).
 
     Example:
         >>> import torch

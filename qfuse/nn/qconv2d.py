@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels.conv import pack_weight
+from qfuse.kernels.conv.implicit import pack_weight
 from qfuse.nn.base import QuantizedModule
 from qfuse.ops.qconv2d import dynamic_input_qparams, qconv2d_call
 from qfuse.primitives import quantize_weight, quantize_weight_fp8

@@ -38,7 +38,8 @@ class InputHessian(Recorder):
         self.register_buffer("hessian", torch.zeros(0, 0))
         self.register_buffer("num_rows", torch.zeros((), dtype=torch.int64))
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
-        self.solved: dict = {}  # GPTQ results for the current H (qfuse.gptq); new data clears it
+        # GPTQ's results for the current H (qfuse.algorithms.gptq); new data clears it
+        self.solved: dict = {}
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.conv is None:

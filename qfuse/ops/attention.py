@@ -99,8 +99,8 @@ def attention_quant(
         >>> out.shape, out.dtype
         (torch.Size([2, 8, 64]), torch.int8)
     """
-    from qfuse.kernels.attention import attention as kernel
-    from qfuse.kernels.attention import check_inputs
+    from qfuse.kernels.attention.encoder import attention as kernel
+    from qfuse.kernels.attention.encoder import check_inputs
 
     check_inputs(q, k, v, mask, out_dtype, inv_scale)
     if resolve_backend(q.device) is not Backend.TRITON:
@@ -129,7 +129,7 @@ def attention_quant_call(q, k, v, mask, scale, inv_scale, zero_point, out_dtype)
             and resolve_backend(q.device) is Backend.TRITON):
         return torch.ops.qfuse.attention_quant(q, k, v, mask, scale, inv_scale, zero_point,
                                                out_dtype)
-    from qfuse.kernels import attention as kernels
+    from qfuse.kernels.attention import encoder as kernels
     from qfuse.kernels.launcher import build, raw_stream
 
     key = (q.device, q.dtype, out_dtype, tuple(q.shape), tuple(k.shape), q.stride(), k.stride(),

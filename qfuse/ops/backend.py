@@ -75,7 +75,7 @@ def use_backend(backend: Backend | str) -> Iterator[None]:
 
 
 def triton_interpreted() -> bool:
-    from qfuse.kernels.qgemm import INTERPRETED
+    from qfuse.kernels.gemm.dispatch import INTERPRETED
 
     return INTERPRETED
 

@@ -65,8 +65,8 @@ def decode_attention(
         >>> out.shape
         torch.Size([1, 1, 4, 16])
     """
-    from qfuse.kernels.decode_attention import check_inputs
-    from qfuse.kernels.decode_attention import decode_attention as kernel
+    from qfuse.kernels.attention.decode import check_inputs
+    from qfuse.kernels.attention.decode import decode_attention as kernel
 
     check_inputs(q, k, v, mask)
     if resolve_backend(q.device) is not Backend.TRITON:

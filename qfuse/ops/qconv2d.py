@@ -1,6 +1,6 @@
 """``qfuse::qconv2d``: the fused quantized Conv2d as a torch ``triton_op``.
 
-On CUDA tensors the body launches the Triton implicit-GEMM kernel (``qfuse.kernels.conv``)
+On CUDA tensors the body launches the Triton implicit-GEMM kernel (``qfuse.kernels.conv.implicit``)
 through ``torch.library.wrap_triton``, so ``torch.compile`` sees the kernel itself and can put it
 in its graph; on CPU tensors (or with ``QFUSE_BACKEND=reference``) the body is the PyTorch
 reference. ``register_fake`` gives export and tracing the output's shape, dtype and
@@ -98,14 +98,14 @@ def _impl(
             post_activation)
     res_q = dict(residual_scale=residual_scale, residual_zero_point=residual_zero_point)
     if x.device.type != "cpu" and resolve_backend(x.device) is Backend.TRITON:
-        from qfuse.kernels.conv import qconv2d as kernel
+        from qfuse.kernels.conv.implicit import qconv2d as kernel
 
         # Traced (compile, export): wrap_triton puts the kernel itself into the graph (a 1x1
         # conv on the TMA GEMM: the opaque qfuse::tma_conv1x1, see kernels.conv_tma). Plain
         # eager: a direct launch; the wrapper's dispatch cost ~0.3 ms of host time per call.
         return kernel(*args, launcher=None if _eager(x) else torch.library.wrap_triton, **res_q)
     if x.device.type == "cpu" and resolve_backend(x.device) is Backend.TRITON:
-        from qfuse.kernels.conv import qconv2d as kernel  # interpreter (tests, debugging)
+        from qfuse.kernels.conv.implicit import qconv2d as kernel  # interpreter (tests, debugging)
 
         return kernel(*args, **res_q)
     return as_nhwc(reference.qconv2d(*args, **res_q))

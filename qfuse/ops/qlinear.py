@@ -104,7 +104,7 @@ def _impl(
     args = (x2, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, res2)
     args += (out_inv_scale, out_zero_point, activation, out_dtype)
     if resolve_backend(x.device) is Backend.TRITON:
-        from qfuse.kernels.qgemm import qlinear as kernel
+        from qfuse.kernels.gemm.dispatch import qlinear as kernel
 
         wrap = torch.library.wrap_triton if x.device.type == "cuda" and not INTERPRETED else None
         pre = None
@@ -158,7 +158,7 @@ def qlinear_call(x, weight, scale, bias, x_inv_scale, x_zero_point, weight_sum, 
                                        activation, out_dtype, x_scale, fast_act)
     if (cache is not None and x.is_cuda and x_scale is None and not INTERPRETED
             and resolve_backend(x.device) is Backend.TRITON):
-        from qfuse.kernels.qgemm_eager import qlinear_eager
+        from qfuse.kernels.gemm.eager import qlinear_eager
 
         K = x.shape[-1]
         if x.dim() == 2 and K == weight.shape[1]:  # the hot path: no reshapes, checked plans

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields
 
 from torch import fx, nn
 
-from qfuse.capture import inline_grad_wrappers
 from qfuse.errors import QFuseError
 from qfuse.fusion.attention_quant import fuse_attention_quant
 from qfuse.fusion.bn_fold import fold_batchnorm
@@ -29,6 +28,7 @@ from qfuse.fusion.pool_quant import fuse_maxpool_quant
 from qfuse.fusion.rewrite import fuse_chains
 from qfuse.fusion.siblings import merge_sibling_linears
 from qfuse.ops.pool import max_pool2d_call
+from qfuse.pipeline.capture import inline_grad_wrappers
 from qfuse.pipeline.options import PipelineOptions
 
 CAPTURE, FUSED = "capture", "fused"
@@ -110,7 +110,7 @@ def _pooled(ctx, result) -> list[str]:
 
 
 # Not on a train-mode graph: QAT trains Conv2d + BatchNorm on simulated folded weights
-# (qfuse.qat.conv_bn), and its lowering folds them with the trained statistics.
+# (qfuse.flows.qat.conv_bn), and its lowering folds them with the trained statistics.
 register(
     GraphPass(
         "fold_batchnorm",

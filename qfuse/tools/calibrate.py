@@ -11,12 +11,12 @@ import json
 
 import torch
 
+from qfuse.algorithms.gptq import GPTQ
+from qfuse.algorithms.smoothquant import SmoothQuant
+from qfuse.analysis.sensitivity import call, split_batch
 from qfuse.config import QConfig
-from qfuse.gptq import GPTQ
-from qfuse.prepare import prepare
+from qfuse.flows.prepare import prepare
 from qfuse.progress import progress
-from qfuse.sensitivity import call, split_batch
-from qfuse.smoothquant import SmoothQuant
 
 
 def key_of(config: QConfig, smoothquant: float | None, gptq: bool) -> str:

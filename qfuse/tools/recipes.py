@@ -67,11 +67,11 @@ class SweepSpec:
 
 # name -> module that defines sweep_spec (or a callable returning a SweepSpec)
 _REGISTRY: dict[str, str | Callable[..., SweepSpec]] = {
-    "digits": "recipes.ptq_digits",
-    "llm": "recipes.ptq_llm",
-    "minilm": "recipes.ptq_minilm",
-    "mlp": "recipes.ptq_mlp",
-    "resnet": "recipes.ptq_resnet",
+    "digits": "qfuse.recipes.ptq_digits",
+    "llm": "qfuse.recipes.ptq_llm",
+    "minilm": "qfuse.recipes.ptq_minilm",
+    "mlp": "qfuse.recipes.ptq_mlp",
+    "resnet": "qfuse.recipes.ptq_resnet",
 }
 DEFAULT_RECIPE = "digits"
 
@@ -80,7 +80,7 @@ def register_recipe(name: str, target: str | Callable[..., SweepSpec]) -> None:
     """Make ``--recipe name`` resolve to a module name (with ``sweep_spec``) or a callable.
 
     Example:
-        >>> register_recipe("doc_example", "recipes.ptq_digits")
+        >>> register_recipe("doc_example", "qfuse.recipes.ptq_digits")
         >>> "doc_example" in recipe_names()
         True
     """

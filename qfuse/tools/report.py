@@ -54,7 +54,7 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    from qfuse import __version__
+    from qfuse._version import __version__
 
     cuda = torch.cuda.is_available()
     return {

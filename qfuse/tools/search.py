@@ -25,13 +25,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from qfuse.algorithms.gptq import GPTQ
+from qfuse.algorithms.smoothquant import SmoothQuant
+from qfuse.analysis.fallback import FallbackResult, auto_fallback
+from qfuse.analysis.sensitivity import call
 from qfuse.config import QConfig
-from qfuse.convert import convert
 from qfuse.errors import QFuseError
-from qfuse.fallback import FallbackResult, auto_fallback
-from qfuse.gptq import GPTQ
-from qfuse.sensitivity import call
-from qfuse.smoothquant import SmoothQuant
+from qfuse.flows.convert import convert
 from qfuse.tools.calibrate import Calibrations, key_of, progress
 from qfuse.tools.timing import error_text, fastest, median_ms, repeated_ms
 

@@ -19,13 +19,13 @@ from dataclasses import asdict
 import torch
 from torch.utils import _pytree as pytree
 
+from qfuse.analysis.sensitivity import call
+from qfuse.analysis.summary import summary
 from qfuse.config import QConfig
-from qfuse.convert import convert
 from qfuse.errors import BackendError, QFuseError, UnsupportedError
 from qfuse.export import save
-from qfuse.sensitivity import call
+from qfuse.flows.convert import convert
 from qfuse.state import get_state
-from qfuse.summary import summary
 from qfuse.tools.calibrate import Calibrations, progress
 from qfuse.tools.recipes import SweepSpec
 from qfuse.tools.report import write_report

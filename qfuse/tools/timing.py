@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qfuse.sensitivity import call
+from qfuse.analysis.sensitivity import call
 
 MODES = ("eager", "compiled", "graph")
 

@@ -67,7 +67,7 @@ def test_sequential_equals_whole_model_bit_for_bit(calibrated, monkeypatch):
     def no_rounding(*args, **kwargs):
         raise AssertionError("convert re-ran GPTQ instead of taking the cached result")
 
-    monkeypatch.setattr("qfuse.gptq.gptq_round", no_rounding)
+    monkeypatch.setattr("qfuse.algorithms.gptq.gptq_round", no_rounding)
     got = _converted(seq)
     _assert_equal(got, want)
     assert sum(k.endswith("weight_scale") for k in want) >= 9

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.capture import inline_grad_wrappers
 from qfuse.observers.base import Recorder
+from qfuse.pipeline.capture import inline_grad_wrappers
 from tests.calibrate.conftest import by_chain
 
 pytestmark = pytest.mark.gpu

@@ -48,7 +48,7 @@ def test_shards_equal_the_loaded_model_one_stage_in_memory(shards, monkeypatch):
     def no_rounding(*args, **kwargs):
         raise AssertionError("convert re-ran GPTQ instead of taking the cached result")
 
-    monkeypatch.setattr("qfuse.gptq.gptq_round", no_rounding)
+    monkeypatch.setattr("qfuse.algorithms.gptq.gptq_round", no_rounding)
     got, want = qfuse.convert(prepared), qfuse.convert(loaded)
     _assert_equal(got.state_dict(), want.state_dict())
     x = {"input_ids": torch.randint(0, 128, (3, 10), generator=torch.Generator().manual_seed(5))}

@@ -1,8 +1,7 @@
 """The MiniLM calibration and held-out sentence sets: sizes, variety and no leakage."""
 
 import pytest
-
-from calibration.sentences import calibration_sentences, heldout_sentences
+from qfuse.calibration.sentences import calibration_sentences, heldout_sentences
 
 SETS = {"calibration": (calibration_sentences, 300), "heldout": (heldout_sentences, 150)}
 

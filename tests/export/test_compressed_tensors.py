@@ -16,18 +16,22 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import transformers
-from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.quantization import (
+
+pytest.importorskip("compressed_tensors", reason="the test extra's compressed-tensors is not "
+                    "installed (pip install -e .[test])")
+
+import transformers  # noqa: E402
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
     QuantizationConfig,
     apply_quantization_config,
     preset_name_to_scheme,
 )
-from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors.torch import load_file
-from torch import nn
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch import nn  # noqa: E402
 
-import qfuse
+import qfuse  # noqa: E402
 from qfuse.errors import FormatError, QFuseError, UnsupportedError
 from qfuse.export.checks import same_outputs
 from qfuse.fusion.patterns import GATED

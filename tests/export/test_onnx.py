@@ -157,8 +157,8 @@ def test_uint8_activations_are_the_same_values(mlp_batches, mlp_export, tmp_path
 
 @pytest.fixture(scope="module")
 def digits():
-    from calibration.digits import load_digits_splits
-    from recipes.ptq_digits import train
+    from qfuse.calibration.digits import load_digits_splits
+    from qfuse.recipes.ptq_digits import train
 
     splits = load_digits_splits(seed=0)
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 import torch
 from torch import nn
 
-from qfuse.capture import capture
 from qfuse.fusion.bn_fold import fold_batchnorm
+from qfuse.pipeline.capture import capture
 from tests.models import ConvNet, randomize_batchnorm
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from qfuse.capture import capture
 from qfuse.fusion.patterns import find_chains
+from qfuse.pipeline.capture import capture
 
 
 def chains_of(model, *shape):

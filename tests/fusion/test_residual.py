@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from torch import fx, nn
 
 import qfuse
-from qfuse.capture import capture
 from qfuse.fusion.bn_fold import fold_batchnorm
 from qfuse.fusion.patterns import find_chains
 from qfuse.fusion.rewrite import fuse_chains
+from qfuse.pipeline.capture import capture
 from tests.models import randomize_batchnorm, sqnr_db
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qfuse.errors import ShapeError, UnsupportedError
-from qfuse.kernels.attention import AttentionSchedule, attention, pick_schedule
+from qfuse.kernels.attention.encoder import AttentionSchedule, attention, pick_schedule
 from qfuse.ops.attention import INTERPRETED, _reference
 
 FP8 = torch.float8_e4m3fn

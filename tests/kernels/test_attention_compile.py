@@ -19,7 +19,7 @@ def variants():
     """(dtype, OUT, MASK, head_dim, schedule): head dims 64 and 128 with their largest
     schedules, int8 with a boolean mask and fp8 with an additive one (each compile costs ~4 s of
     the CI's CPU; the bf16 output and no-mask branches are the simplest)."""
-    from qfuse.kernels.attention import SCHEDULES
+    from qfuse.kernels.attention.encoder import SCHEDULES
 
     out = []
     for i, d in enumerate(sorted({d for d, _ in SCHEDULES if d >= 64})):  # 32: 64's code
@@ -31,7 +31,7 @@ def variants():
 
 
 def child_main() -> None:
-    from qfuse.kernels import attention
+    from qfuse.kernels.attention import encoder as attention
     from tests.kernels.test_compile import compile_sm90
 
     results = []

@@ -24,8 +24,9 @@ if CHILD:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from qfuse.kernels import mma_gemm, quantize
+    from qfuse.kernels import quantize
     from qfuse.kernels.common import ACTIVATION_CODES
+    from qfuse.kernels.gemm import mma as mma_gemm
 
     TARGET = GPUTarget("cuda", 90, 32)
 

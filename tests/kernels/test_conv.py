@@ -1,4 +1,4 @@
-"""``qfuse.kernels.conv`` against ``qfuse.ops.reference.qconv2d``: every conv variant, fuzzed.
+"""``qfuse.kernels.conv.implicit`` against ``ops.reference.qconv2d``: every conv variant, fuzzed.
 
 On CPU the kernels run in the Triton interpreter (tiny shapes: it is slow); with CUDA for real.
 - int8: int8 outputs identical, float outputs identical (same IEEE-exact epilogue order).
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qfuse.kernels import conv
+from qfuse.kernels.conv import implicit as conv
 from qfuse.ops import reference
 from qfuse.testing import (
     ACT_SLOPE,

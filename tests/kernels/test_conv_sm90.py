@@ -59,7 +59,9 @@ def _info(kernel, must_mma: bool) -> dict:
 
 
 def child_main() -> None:
-    from qfuse.kernels import conv, depthwise, im2col, pool
+    from qfuse.kernels import pool
+    from qfuse.kernels.conv import depthwise, im2col
+    from qfuse.kernels.conv import implicit as conv
 
     results = {}
     for name, w, x, out, res, k, cg_in, cg_out, m, act in VARIANTS:

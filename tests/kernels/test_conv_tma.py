@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels import conv, conv_tma
-from qfuse.kernels.conv_tma import Conv1x1Config
+from qfuse.kernels.conv import implicit as conv
+from qfuse.kernels.conv import tma as conv_tma
+from qfuse.kernels.conv.tma import Conv1x1Config
 from tests.kernels.test_conv import FP8, check, make_case
 
 ONE = dict(k=1, padding=0)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qfuse.errors import DeviceError, ShapeError, UnsupportedError
-from qfuse.kernels.decode_attention import DecodeSchedule, decode_attention, pick_splits
+from qfuse.kernels.attention.decode import DecodeSchedule, decode_attention, pick_splits
 from qfuse.ops.decode_attention import INTERPRETED, reference
 
 

@@ -35,8 +35,8 @@ def compile_decode(variant) -> dict:
     import triton
     from test_compile import TARGET, qgemm_pointers
 
-    from qfuse.kernels import decode_gemm
     from qfuse.kernels.common import ACTIVATION_CODES
+    from qfuse.kernels.gemm import decode as decode_gemm
 
     w, x, out, xq, act, out_q, (bm, bn, bk), split, words = variant
     fn = decode_gemm._qlinear_decode_kernel

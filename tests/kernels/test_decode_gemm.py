@@ -14,7 +14,9 @@ import torch
 from test_gated_epilogue import gated_case
 from test_qgemm import FP8, check, make_case
 
-from qfuse.kernels import decode_gemm, grid, qgemm, schedules
+from qfuse.kernels import grid, schedules
+from qfuse.kernels.gemm import decode as decode_gemm
+from qfuse.kernels.gemm import dispatch as qgemm
 from qfuse.kernels.schedules import GemmConfig
 
 
@@ -154,7 +156,7 @@ def test_decode_pdl_chain_in_graph(qdtype, monkeypatch):
     opaque op, which launches the same way."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    from qfuse.kernels.families import FAMILIES
+    from qfuse.kernels.gemm.families import FAMILIES
     from qfuse.ops.qlinear import qlinear  # noqa: F401 — registers the ops
 
     cfg = decode(1, 8, 256, split=4)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfuse.kernels import qgemm
+from qfuse.kernels.gemm import dispatch as qgemm
 from qfuse.ops import reference
 from tests.kernels.test_qgemm import make_case
 

@@ -1,4 +1,4 @@
-"""``qfuse.kernels.qgemm`` against ``qfuse.ops.reference``: every variant, fuzzed shapes.
+"""``qfuse.kernels.gemm.dispatch`` against ``qfuse.ops.reference``: every variant, fuzzed shapes.
 
 On CPU the kernel runs in the Triton interpreter (tests/conftest.py); with CUDA it runs for real.
 - int8 GEMM: int8 outputs identical; float outputs within 1e-6 relative (the epilogue repeats the
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qfuse.kernels import qgemm
+from qfuse.kernels.gemm import dispatch as qgemm
 from qfuse.kernels.schedules import GemmConfig
 from qfuse.ops import reference
 

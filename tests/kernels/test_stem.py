@@ -1,4 +1,4 @@
-"""``qfuse.kernels.stem`` (the stem conv's gather kernel) against the reference and the old path.
+"""``qfuse.kernels.conv.stem`` (the stem gather kernel) against the reference and the old path.
 
 int8: identical to ``ops.reference.qconv2d`` and to the patch-buffer path (``stem_path="im2col"``)
 it replaced, for every schedule knob (the gathered tile's orientation, quantized in registers
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels import conv
-from qfuse.kernels.stem import StemConfig, stem_candidates
+from qfuse.kernels.conv import implicit as conv
+from qfuse.kernels.conv.stem import StemConfig, stem_candidates
 from tests.kernels.test_compile import compile_sm90, run_child
 from tests.kernels.test_conv import check, make_case
 
@@ -130,8 +130,8 @@ SM90 = [(False, "*i8", "*bf16"), (False, "*fp8e4nv", "*bf16"), (True, "*i8", "*i
 
 
 def child_main() -> None:
-    from qfuse.kernels import stem
     from qfuse.kernels.common import ACTIVATION_CODES
+    from qfuse.kernels.conv import stem
 
     results = {}
     for channels_last, w, x in SM90:

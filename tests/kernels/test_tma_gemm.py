@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfuse.kernels import qgemm
+from qfuse.kernels.gemm import dispatch as qgemm
 from qfuse.kernels.schedules import GemmConfig, tma_candidates
 from tests.kernels.test_qgemm import FP8, check, make_case
 

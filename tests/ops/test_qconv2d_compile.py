@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qfuse
-from qfuse.kernels import conv as conv_kernels
+from qfuse.kernels.conv import implicit as conv_kernels
 from qfuse.kernels.layout import empty_nhwc
 from qfuse.kernels.pool import max_pool2d as pool_kernel
 from qfuse.nn import QConv2d

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.qat.graph import AttentionDropout
+from qfuse.flows.qat.graph import AttentionDropout
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,7 +57,7 @@ def test_bert_qat_follows_modes_and_converts_like_its_fake_quant():
 
 
 def test_distillation_loss_is_zero_for_the_teacher_and_positive_otherwise():
-    from recipes.qat_minilm import distill_loss, without_dropout
+    from qfuse.recipes.qat_minilm import distill_loss, without_dropout
 
     model, batch = tiny_bert()
     student = without_dropout(model)

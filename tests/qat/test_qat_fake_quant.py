@@ -3,14 +3,7 @@
 import pytest
 import torch
 
-from qfuse.ops.reference import quantize_per_token
-from qfuse.primitives import (
-    dequantize,
-    fake_quantize,
-    quantize_weight,
-    quantize_weight_fp8,
-)
-from qfuse.qat.fake_quant import (
+from qfuse.flows.qat.fake_quant import (
     FP8_FROM_INT8,
     Grid,
     fake_quantize_activation,
@@ -18,6 +11,13 @@ from qfuse.qat.fake_quant import (
     fake_quantize_weight,
     lsq_factor,
     weight_scale_like_convert,
+)
+from qfuse.ops.reference import quantize_per_token
+from qfuse.primitives import (
+    dequantize,
+    fake_quantize,
+    quantize_weight,
+    quantize_weight_fp8,
 )
 
 FP8 = torch.float8_e4m3fn

@@ -1,4 +1,4 @@
-"""recipes.ptq_llm on the trained Llama, reduced: two configs on a few held-out windows.
+"""qfuse.recipes.ptq_llm on the trained Llama, reduced: two configs on a few held-out windows.
 
 Sanity bounds, not the README's targets (those are the full run's): the float model beats the
 unigram baseline by far, int8 dynamic stays close to float, and ``generate()`` on the converted
@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from calibration import llm as data  # noqa: E402
-from recipes import ptq_llm  # noqa: E402
+from qfuse.calibration import llm as data  # noqa: E402
+from qfuse.recipes import ptq_llm  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 points of fp32 (issue #11; 450 test images: one image is 0.22 points, so fp8 may lose at most one
 and int8 at most two), every conv fused, the residual adds fused into the conv computed last."""
 
-from recipes.ptq_resnet import run
+from qfuse.recipes.ptq_resnet import run
 
 
 def test_int8_and_fp8_stay_within_the_accuracy_budget():

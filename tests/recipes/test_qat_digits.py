@@ -1,6 +1,6 @@
 """QAT recipe, as run (6 epochs, ~15 s): QAT recovers what PTQ loses on the hard configuration."""
 
-from recipes.qat_digits import run
+from qfuse.recipes.qat_digits import run
 
 
 def test_qat_recovers_what_ptq_loses_with_per_tensor_weights_and_outliers():

@@ -164,7 +164,7 @@ def test_user_recipe_file_and_recipe_errors(tmp_path):
     assert isinstance(spec, SweepSpec) and spec.name == "tiny"
     with pytest.raises(RecipeError, match="unknown recipe 'nope'.*digits"):
         load_spec("nope")
-    register_recipe("ghost", "recipes.ptq_ghost_not_written")
+    register_recipe("ghost", "qfuse.recipes.ptq_ghost_not_written")
     with pytest.raises(RecipeError, match="'ghost' is registered as module"):
         load_spec("ghost")
     bare = tmp_path / "bare.py"

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qfuse.flows.qat.modules import WeightFakeQuant
 from qfuse.fusion.bn_fold import fold_conv_bn
-from qfuse.qat.modules import WeightFakeQuant
 
 
 class ConvBnFakeQuant(nn.Module):

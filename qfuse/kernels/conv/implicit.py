@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels import conv_tma
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     ConvConfig,
@@ -41,11 +40,12 @@ from qfuse.kernels.common import (
     quantize_int8,
     tile_indices,
 )
-from qfuse.kernels.depthwise import dwconv
+from qfuse.kernels.conv import tma as conv_tma
+from qfuse.kernels.conv.depthwise import dwconv
+from qfuse.kernels.conv.im2col import im2col
+from qfuse.kernels.conv.stem import StemConfig, pick_stem_config, stem_conv
 from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code
-from qfuse.kernels.im2col import im2col
 from qfuse.kernels.layout import empty_nhwc
-from qfuse.kernels.stem import StemConfig, pick_stem_config, stem_conv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
@@ -317,7 +317,7 @@ def qconv2d(
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
-        >>> from qfuse.kernels.conv import qconv2d
+        >>> from qfuse.kernels.conv.implicit import qconv2d
         >>> from qfuse.ops.reference import qconv2d as ref
         >>> x = torch.randn(1, 8, 5, 5)
         >>> w = torch.randint(-127, 128, (16, 8, 3, 3), dtype=torch.int8)

@@ -91,7 +91,7 @@ def select(chains: list[Chain], cfg: GPTQ) -> list[str]:
     if not picked:
         raise UnsupportedError(
             "GPTQ: no layer to round (GPTQ rounds Linear and ungrouped Conv2d layers; this model "
-            f"has {sorted(c.name for c in chains)[:8]}); drop gptq= from qfuse.prepare."
+            f"has {sorted(c.name for c in chains)[:8]}); drop gptq= from qfuse.flows.prepare."
         )
     return picked
 

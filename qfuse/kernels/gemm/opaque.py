@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from qfuse.kernels.common import out_features
+from qfuse.kernels.gemm.launch import launch
 from qfuse.kernels.schedules import GemmConfig
 
 _FIELDS = [f.name for f in dataclasses.fields(GemmConfig)]
@@ -40,8 +41,6 @@ def qlinear_launch(
     config: list[int],
     fast_act: bool,
 ) -> torch.Tensor:
-    from qfuse.kernels.qgemm import launch
-
     cfg = GemmConfig(**dict(zip(_FIELDS, config, strict=True)))
     out = torch.empty((x.shape[0], out_features(weight.shape[0], activation)), device=x.device,
                       dtype=out_dtype)

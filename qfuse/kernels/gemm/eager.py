@@ -12,18 +12,11 @@ import torch
 
 from qfuse.kernels import quantize as qz
 from qfuse.kernels.common import out_features
-from qfuse.kernels.families import family
+from qfuse.kernels.gemm.dispatch import _schedule, qlinear
+from qfuse.kernels.gemm.families import family
+from qfuse.kernels.gemm.launch import _grid0, _is_quantized, _kernel, gemm_args, launch
 from qfuse.kernels.grid import split_k_locks
 from qfuse.kernels.launcher import build, raw_stream
-from qfuse.kernels.qgemm import (
-    _grid0,
-    _is_quantized,
-    _kernel,
-    _schedule,
-    gemm_args,
-    launch,
-    qlinear,
-)
 from qfuse.kernels.schedules import m_bucket
 
 

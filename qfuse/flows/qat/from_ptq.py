@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from qfuse.errors import QFuseError
+from qfuse.flows.plan import LayerPlan
 from qfuse.fusion.patterns import Chain
 from qfuse.observers import MinMaxObserver
-from qfuse.plan import LayerPlan
 from qfuse.state import get_state
 
 

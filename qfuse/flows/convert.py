@@ -15,16 +15,17 @@ from collections.abc import Mapping
 import torch
 from torch import fx
 
-from qfuse.config import PerChannel
 from qfuse.errors import QFuseError, UnsupportedError
+from qfuse.flows.build import QUANT_NAMES, build, record
+from qfuse.flows.plan import LayerPlan
+from qfuse.flows.qat.lower import lower
+from qfuse.flows.swap import convert_model
 from qfuse.fusion.guards import add_module_guards, add_runtime_guards
 from qfuse.fusion.nonfinite import float_inputs_used
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import module_paths, remove_observers
-from qfuse.nn import QConv2d, QLinear
 from qfuse.pipeline import PipelineOptions, run_fused
-from qfuse.plan import LayerPlan
-from qfuse.state import LayerRecord, QFuseState, get_state, set_state
+from qfuse.state import QFuseState, get_state, set_state
 
 
 def _state(model) -> QFuseState:
@@ -35,11 +36,6 @@ def _state(model) -> QFuseState:
             f"got {type(model).__name__}" + (" that is already converted." if state else ".")
         )
     return state
-
-
-# The per-layer plan (SmoothQuant, GPTQ and QAT's scales are transforms over it: qfuse.plan), by
-# the name the module swap imports it.
-_Plan = LayerPlan
 
 
 def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
@@ -72,84 +68,6 @@ def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
     return (readers, res_readers) if len(scales) == 1 else ([], [])
 
 
-def _build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, out_dtype,
-           residual_qparams=None):
-    scale, zp = plan.x_qparams[chain.name]
-    out_scale, out_zp = out_qparams if out_qparams else (None, None)
-    res_scale, res_zp = residual_qparams if residual_qparams else (None, None)
-    prologue = plan.prologue.get(chain.name)
-    dtype = plan.dtypes[chain.name]
-    fp8 = dtype == torch.float8_e4m3fn
-    if fp8:
-        # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
-        to_fp8 = 127.5 / 448.0
-        scale, out_scale = scale * to_fp8, out_scale * to_fp8 if out_scale is not None else None
-        res_scale, res_zp = (res_scale * to_fp8 if res_scale is not None else None), None
-        prologue = prologue / to_fp8 if prologue is not None else None
-        out_dtype = torch.float8_e4m3fn if out_dtype == torch.int8 else out_dtype
-    if config.is_dynamic:
-        if prologue is not None:
-            raise UnsupportedError(
-                f"layer {chain.name}: SmoothQuant's prologue vector needs a static activation "
-                "scale; use a static QConfig or let SmoothQuant fold into the producer."
-            )
-        # Per-token scales need the whole row, so chains hand over float32 (plan weights are
-        # float32) and each layer quantizes its input on entry.
-        scale, zp, input_quantized, out_scale, out_zp = None, None, False, None, None
-        out_dtype = torch.float32 if out_dtype in (torch.int8, torch.float8_e4m3fn) else out_dtype
-    common = dict(
-        x_scale=scale,
-        x_zero_point=zp,
-        per_channel=isinstance(config.weight_granularity, PerChannel),
-        weight_scale=plan.weight_scales.get(chain.name),
-        activation=chain.activation,
-        input_quantized=input_quantized,
-        out_scale=out_scale,
-        out_zero_point=out_zp,
-        out_dtype=out_dtype,
-    )
-    weight, bias = plan.weights[chain.name], plan.biases[chain.name]
-    if chain.kind == "linear":
-        module = QLinear.from_float(weight, bias, dtype=dtype, **common)
-    else:
-        module = QConv2d.from_float(
-            weight, bias, **chain.conv, dtype=dtype, post_activation=chain.post_activation,
-            residual_scale=res_scale, residual_zero_point=res_zp, **common,
-        )
-    if prologue is not None:
-        module.x_inv_scale = prologue.to(module.weight.device)
-    return module
-
-
-QUANT_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
-
-
-def _record(chain: Chain, module, path: str, producer, readers, notes,
-            res_readers=()) -> LayerRecord:
-    """What summary and save report for a fused layer, read off the module actually built."""
-    qname = QUANT_NAMES[module.weight.dtype]
-    if module.input_quantized:
-        source = f"{qname} from {producer}"
-    elif module.x_scale is None:
-        source = f"float → {qname} per {'token' if chain.kind == 'linear' else 'tensor'} (dynamic)"
-    else:
-        source = f"float → {qname} in prologue"
-    if module.out_dtype in QUANT_NAMES:
-        names = [r.name for r in readers] + [f"{r.name} (residual)" for r in res_readers]
-        sink = f"{QUANT_NAMES[module.out_dtype]} to {', '.join(names)}"
-    else:
-        sink = str(module.out_dtype).replace("torch.", "")
-    return LayerRecord(
-        name=path,
-        pattern=chain.pattern,
-        kind=chain.kind,
-        precision=qname,
-        input=source,
-        output=sink,
-        note="; ".join(notes),
-    )
-
-
 def convert(
     prepared: fx.GraphModule,
     inplace: bool = False,
@@ -168,7 +86,7 @@ def convert(
     ``qfuse.save``, ``export_program``, ``auto_fallback`` and routing. ``output="model"`` returns
     the model ``prepare`` was given, of its own class, with its quantized layers swapped in
     (a deep copy, or the model itself with ``inplace=True``): transformers' ``generate``,
-    ``config`` and pipelines keep working; see ``qfuse.swap``.
+    ``config`` and pipelines keep working; see ``qfuse.flows.swap``.
 
     ``keep_float`` maps layer names to the reason they stay in float (mixed precision, e.g. from
     ``qfuse.auto_fallback``); ``qfuse.summary`` shows the reason. ``layer_dtypes`` gives layers
@@ -189,9 +107,8 @@ def convert(
     """
     qat_state = get_state(prepared)
     if qat_state is not None and qat_state.stage == "qat":
-        # A QAT model converts through the PTQ path: qfuse.qat.lower hands back a prepared model
-        # with QAT's learned scales (imported here: the QAT room sits above convert).
-        from qfuse.qat.lower import lower
+        # A QAT model converts through the PTQ path: qfuse.flows.qat.lower hands back a prepared
+        # model with QAT's learned scales.
 
         prepared, notes = lower(prepared, notes)
         inplace = True
@@ -264,7 +181,7 @@ def convert(
         res_qparams = None
         if chain.name in residual_from:  # the residual's writer requantized it for its readers
             res_qparams = plan.x_qparams[handoff[residual_from[chain.name]][0][0].name]
-        modules[chain.name] = _build(
+        modules[chain.name] = build(
             chain, state.config, plan, out_qparams, chain.name in producers, out_dtype,
             res_qparams,
         )
@@ -280,7 +197,7 @@ def convert(
         if chain.name in residual_from:
             layer_notes.append(f"residual quantized from {residual_from[chain.name]}")
         layers.append(
-            _record(
+            record(
                 chain,
                 modules[chain.name],
                 paths[chain.name],
@@ -330,8 +247,6 @@ def _options(state, **given) -> PipelineOptions:
 
 
 def _convert_model(prepared, state, keep_float, layer_dtypes, notes, inplace) -> torch.nn.Module:
-    from qfuse.swap import convert_model
-
     chains = [c for c in state.chains if c.name not in keep_float]
     dtypes = {c.name: layer_dtypes.get(c.name, state.config.dtype) for c in chains}
     model = convert_model(prepared, state, chains, dtypes, notes, inplace)

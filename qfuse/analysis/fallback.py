@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from qfuse.convert import convert
+from qfuse.analysis.sensitivity import SensitivityReport, sensitivity
 from qfuse.errors import QFuseError
+from qfuse.flows.convert import convert
 from qfuse.observers.base import observers_disabled
 from qfuse.progress import progress_bar
-from qfuse.sensitivity import SensitivityReport, sensitivity
 from qfuse.state import get_state
 
 FALLBACKS = ("float", "fp8")

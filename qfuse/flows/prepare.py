@@ -7,18 +7,18 @@ from collections.abc import Mapping
 
 from torch import fx, nn
 
-from qfuse.capture import capture
+from qfuse.algorithms.gptq import GPTQ
+from qfuse.algorithms.gptq import select as gptq_select
+from qfuse.algorithms.smoothquant import SmoothQuant
+from qfuse.algorithms.smoothquant import select as smoothquant_select
 from qfuse.config import QConfig
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
-from qfuse.gptq import GPTQ
-from qfuse.gptq import select as gptq_select
 from qfuse.observers import make_observer
 from qfuse.observers.hessian import InputHessian
 from qfuse.pipeline import PipelineOptions, resolve_options, run_capture
-from qfuse.smoothquant import SmoothQuant
-from qfuse.smoothquant import select as smoothquant_select
+from qfuse.pipeline.capture import capture
 from qfuse.state import QFuseState, set_state
 from qfuse.validate import (
     ModelRef,
@@ -161,7 +161,7 @@ def prepare_pipeline(
     gptq: GPTQ | None = None,
 ) -> fx.GraphModule:
     """``prepare`` with resolved pipeline ``options``; ``replay`` repeats recorded merges
-    exactly (QAT's lowering replays its train-mode graph's: ``qfuse.qat.lower``)."""
+    exactly (QAT's lowering replays its train-mode graph's: ``qfuse.flows.qat.lower``)."""
     check_eval_mode(model)
     gm = capture(model, example_inputs, example_kwargs, dynamic_shapes)
     run = run_capture(gm, options, replay=replay)

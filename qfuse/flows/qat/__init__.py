@@ -5,8 +5,8 @@ qat = qfuse.prepare_qat(model.train(), qfuse.QConfig.int8_static(), example_inpu
 qmodel = qfuse.convert(qat.eval())
 """
 
-from qfuse.qat.config import QATConfig
-from qfuse.qat.distributed import sync_observers
-from qfuse.qat.prepare import prepare_qat
+from qfuse.flows.qat.config import QATConfig
+from qfuse.flows.qat.distributed import sync_observers
+from qfuse.flows.qat.prepare import prepare_qat
 
 __all__ = ["QATConfig", "prepare_qat", "sync_observers"]

@@ -19,11 +19,11 @@ import torch
 from torch import fx, nn
 
 from qfuse.errors import GraphMismatchError, ModeError, QFuseError
+from qfuse.flows.prepare import prepare_pipeline
+from qfuse.flows.qat.modules import full_tensor
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.pipeline import CAPTURE, mismatches
-from qfuse.prepare import prepare_pipeline
 from qfuse.primitives import SCALE_EPS, inverse
-from qfuse.qat.modules import full_tensor
 from qfuse.state import get_state
 
 

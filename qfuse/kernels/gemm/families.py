@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from qfuse.kernels.decode_gemm import _qlinear_decode_kernel, decode_args
+from qfuse.kernels.gemm.decode import _qlinear_decode_kernel, decode_args
+from qfuse.kernels.gemm.mma import _qlinear_kernel, _qlinear_persistent_kernel
+from qfuse.kernels.gemm.tma import _qlinear_tma_kernel, tma_args
 from qfuse.kernels.grid import pdl, pdl_options
-from qfuse.kernels.mma_gemm import _qlinear_kernel, _qlinear_persistent_kernel
 from qfuse.kernels.schedules import GemmConfig
-from qfuse.kernels.tma_gemm import _qlinear_tma_kernel, tma_args
 
 
 @dataclasses.dataclass(frozen=True)

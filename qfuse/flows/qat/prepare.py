@@ -9,19 +9,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from qfuse.capture import capture
 from qfuse.config import PerChannel, QConfig
 from qfuse.errors import ModeError, UnsupportedError
+from qfuse.flows.prepare import config_for
+from qfuse.flows.qat.config import QATConfig
+from qfuse.flows.qat.conv_bn import ConvBnFakeQuant
+from qfuse.flows.qat.from_ptq import carry_over
+from qfuse.flows.qat.graph import make_mode_aware
+from qfuse.flows.qat.modules import WeightFakeQuant, make_activation_fq
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
 from qfuse.fusion.siblings import merged_path
 from qfuse.pipeline import PipelineOptions, resolve_options, run_capture
-from qfuse.prepare import config_for
-from qfuse.qat.config import QATConfig
-from qfuse.qat.conv_bn import ConvBnFakeQuant
-from qfuse.qat.from_ptq import carry_over
-from qfuse.qat.graph import make_mode_aware
-from qfuse.qat.modules import WeightFakeQuant, make_activation_fq
+from qfuse.pipeline.capture import capture
 from qfuse.state import QFuseState, set_state
 
 aten = torch.ops.aten
@@ -29,7 +29,7 @@ aten = torch.ops.aten
 
 @dataclass
 class QATRecord:
-    """What convert needs to turn the trained QAT model into fused layers (qfuse.qat.lower)."""
+    """What convert needs to turn the trained QAT model into fused layers (``qat.lower``)."""
 
     float_model: nn.Module  # the architecture; convert loads the trained tensors into a copy
     example_inputs: tuple
@@ -151,7 +151,7 @@ def prepare_qat(
     """Capture ``model`` (in train mode) with fake quant at every point ``qfuse.convert`` will
     quantize: each fusible layer's input (the prologue's rounding and clamping, static or
     dynamic) and weight (symmetric, per channel or per tensor), int8 or fp8. Conv2d + BatchNorm
-    train on simulated folded weights (``qfuse.qat.conv_bn``). Train the returned module, call
+    train on simulated folded weights (``qfuse.flows.qat.conv_bn``). Train the returned module, call
     ``.eval()``, then ``qfuse.convert`` it: same fused kernels as PTQ.
 
     ``qat`` (``qfuse.QATConfig``) picks observer-driven or learnable (LSQ) scales and the freeze

@@ -17,11 +17,11 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from qfuse.config import QConfig
-from qfuse.convert import convert
 from qfuse.errors import QFuseError
 from qfuse.fileio import atomic_savefig
+from qfuse.flows.convert import convert
+from qfuse.flows.prepare import prepare
 from qfuse.observers.base import observers_disabled
-from qfuse.prepare import prepare
 from qfuse.progress import progress
 from qfuse.state import get_state
 

@@ -7,16 +7,16 @@ import torch
 from torch import nn
 
 from qfuse.errors import CalibrationError
-from qfuse.observers import make_observer
-from qfuse.observers.base import Observer
-from qfuse.primitives import SCALE_EPS
-from qfuse.qat.distributed import sync_observer
-from qfuse.qat.fake_quant import (
+from qfuse.flows.qat.distributed import sync_observer
+from qfuse.flows.qat.fake_quant import (
     fake_quantize_activation,
     fake_quantize_per_token,
     fake_quantize_weight,
     weight_scale_like_convert,
 )
+from qfuse.observers import make_observer
+from qfuse.observers.base import Observer
+from qfuse.primitives import SCALE_EPS
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

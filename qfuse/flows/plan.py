@@ -4,7 +4,7 @@
 input qparams from its observer. Algorithms are transforms (``apply(plan)``) run in order over
 it: SmoothQuant (factors from the observers, folded into the producer Linear or RMSNorm, or
 kept as a prologue vector), GPTQ (rounds the weights that ship, against the plain per-channel
-scale), and those the state carries (QAT's learned scales: ``qfuse.qat.lower``). convert, the
+scale), and those the state carries (QAT's learned scales: ``qfuse.flows.qat.lower``). convert, the
 module swap and QAT's PTQ carry-over read the same plan.
 """
 
@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qfuse.algorithms.gptq import round_layer
+from qfuse.algorithms.smoothquant import factors, foldable_norm, smoothed_qparams
 from qfuse.config import PerChannel
 from qfuse.errors import QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
-from qfuse.gptq import round_layer
 from qfuse.primitives import choose_qparams, inverse, weight_scale
 from qfuse.progress import progress
-from qfuse.smoothquant import factors, foldable_norm, smoothed_qparams
 
 
 def _tensor(gm, target: str | None) -> torch.Tensor | None:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import fx, nn
 
 from qfuse.errors import QFuseError
+from qfuse.flows.build import build, record
+from qfuse.flows.plan import LayerPlan
 from qfuse.fusion.patterns import ACTIVATION_NAMES, GATED, Chain, Skipped
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.gated_mlp import QGatedMLP
@@ -33,6 +35,10 @@ from qfuse.nn.siblings import QSibling
 from qfuse.state import QFuseState, set_state
 
 _FOLDED_BIAS = "folded_bias"
+
+# Called with every model ``convert_model`` returns. The integrations (which sit above the flows)
+# register here: transformers' quantizer and decode graphs on a ``PreTrainedModel``.
+AFTER_SWAP: list[Callable[[nn.Module], None]] = []
 
 
 class _FloatFacing:
@@ -250,8 +256,6 @@ def _gated_mlps(prepared: fx.GraphModule, chains: list[Chain], slots: dict) -> d
 def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layers):
     """Put a ``QGatedMLP`` at ``parent``: with static scales of one dtype, the gate/up epilogue
     quantizes the product for ``down`` (no float round trip between the two GEMMs)."""
-    from qfuse.convert import _build as build
-    from qfuse.convert import _record
     handoff = (not config.is_dynamic and plan.dtypes[chain.name] == plan.dtypes[down.name]
                and down.name not in plan.prologue)
     bare_down = dataclasses.replace(down, residual=None, post_activation="none",
@@ -269,10 +273,10 @@ def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layer
     note = (f"gated MLP {parent} swapped whole ({type(float_mlp).__name__} → QGatedMLP): "
             f"gate and up as one GEMM, {ACTIVATION_NAMES[chain.activation]} in its epilogue")
     down_name = f"{parent}.down"
-    layers.append(_record(dataclasses.replace(gated, name=f"{parent}.gate_up"), gate_up,
+    layers.append(record(dataclasses.replace(gated, name=f"{parent}.gate_up"), gate_up,
                           f"{parent}.gate_up", None,
                           [dataclasses.replace(down, name=down_name)], [note]))
-    layers.append(_record(bare_down, down_module, down_name, f"{parent}.gate_up", [],
+    layers.append(record(bare_down, down_module, down_name, f"{parent}.gate_up", [],
                           [f"{down.name} inside the swapped {parent}"]))
 
 
@@ -281,8 +285,6 @@ def _swap_merged(model, chain, bare, module, members, layers):
     (``QSibling``: the first member called on an input runs it, the others take their rows);
     a merged gate/up whose parent is not swapped whole is split back into two layers, the
     gated product left to the parent's forward."""
-    from qfuse.convert import _record
-
     float_members = [model.get_submodule(m) for m in members]
     if chain.activation in GATED:  # [gate, up] rows interleaved
         note = (f"split back from the merged layer {chain.name} "
@@ -291,7 +293,7 @@ def _swap_merged(model, chain, bare, module, members, layers):
         for i, (member, float_member) in enumerate(zip(members, float_members, strict=True)):
             part = module.rows(i, None, 2)
             model.set_submodule(member, keep_float_attrs(float_member, part))
-            layers.append(_record(dataclasses.replace(bare, name=member), part, member,
+            layers.append(record(dataclasses.replace(bare, name=member), part, member,
                                   None, [], [note]))
             float_facing(part)
         return
@@ -301,7 +303,7 @@ def _swap_merged(model, chain, bare, module, members, layers):
         others = ", ".join(m for m in members if m != member)
         note = (f"one GEMM with {others} (merged layer {chain.name}, held by {members[0]}): "
                 f"the first member called on an input runs it, the others take their rows")
-        layers.append(_record(dataclasses.replace(bare, name=member), module, member,
+        layers.append(record(dataclasses.replace(bare, name=member), module, member,
                               None, [], [note]))
 
 
@@ -328,8 +330,6 @@ def convert_model(
         >>> qfuse.summary(qmodel).rows[0]["note"].split(":")[0]
         'graph chain Linear→GELU'
     """
-    from qfuse.convert import _build, _Plan, _record  # the same plan and builder as the graph
-
     if state.source is None:
         raise QFuseError(
             "this prepared model does not hold the model it was prepared from; "
@@ -364,7 +364,7 @@ def convert_model(
         for c in swapped
         if c.name in state.hessians
     }
-    plan = _Plan(prepared, state, swapped, state.observers, dtypes, hessians, fold_norms=True)
+    plan = LayerPlan(prepared, state, swapped, state.observers, dtypes, hessians, fold_norms=True)
     plan.write_norm_weights(model)  # SmoothQuant's factors folded into RMSNorm weights
     layers = []
     mlps = _gated_mlps(prepared, swapped, slots)
@@ -380,7 +380,7 @@ def convert_model(
         bare = dataclasses.replace(chain, activation="none", residual=None, post_activation="none",
                                    nodes=[chain.anchor])
         float_dtype = nodes[chain.anchor].meta["val"].dtype
-        module = _build(bare, state.config, plan, None, False, float_dtype)
+        module = build(bare, state.config, plan, None, False, float_dtype)
         if slots[chain.name] == "merged":
             _swap_merged(model, chain, bare, module, groups[chain.name], layers)
             continue
@@ -402,7 +402,7 @@ def convert_model(
             layer_notes.append(state.gptq.describe())
         if chain.name in notes:
             layer_notes.append(notes[chain.name])
-        layers.append(_record(bare, module, path, None, [], layer_notes))
+        layers.append(record(bare, module, path, None, [], layer_notes))
         float_facing(module)
     _off_fast_path(model)
     result = copy.copy(state)
@@ -410,8 +410,6 @@ def convert_model(
     result.skipped = unswapped + list(state.skipped)
     result.source = None
     set_state(model, result)
-    if "transformers.modeling_utils" in sys.modules:  # a PreTrainedModel saves through qfuse
-        from qfuse.integrations.transformers import attach
-
-        attach(model)
+    for hook in AFTER_SWAP:
+        hook(model)
     return model

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import DeviceError, ShapeError, UnsupportedError
-from qfuse.kernels.attention import flash_tile
+from qfuse.kernels.attention.encoder import flash_tile
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,0 +1,3 @@
+"""Calibration-time algorithms that change weights or scales before ``convert``: SmoothQuant's
+activation-to-weight scale migration (``smoothquant``) and GPTQ's error-compensating weight
+rounding (``gptq``). Each is a transform over the per-layer plan (``qfuse.flows.plan``)."""
