@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before anything imports triton kernels, so that the
 run on CPU tensors in the interpreter.
 """
 
+import importlib.util
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,3 +16,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Triton interpreter's dots), set before either loads; the processes tests start inherit it.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
+
+# The docstring examples of modules that import an optional package at their top: not collected
+# where it is missing (their tests skip, naming it), so ``pytest -m gpu`` collects without it.
+OPTIONAL_MODULES = {
+    "transformers": ["qfuse/integrations/transformers.py", "qfuse/integrations/attention.py"],
+}
+collect_ignore = [path for package, paths in OPTIONAL_MODULES.items()
+                  if importlib.util.find_spec(package) is None for path in paths]

@@ -14,5 +14,5 @@ setup(
     packages=packages,
     package_dir=SUB,
     package_data={"qfuse.calibration": ["data/*.txt", "llm/*.txt", "llm/*.json",
-                                        "llm/*.safetensors"]},
+                                        "llm/*.safetensors", "smollm2/*.txt"]},
 )

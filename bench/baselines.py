@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import harness
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from bench import harness
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -94,6 +95,20 @@ def torchao_module(linears: list[nn.Module], dtype: str) -> None:
     )
     for mod in linears:
         harness.torchao_quantize(mod, cfg)  # Inductor's settings left alone (see harness)
+
+
+def built_once(fns: dict, name: str, build: Callable[[], Callable]) -> Callable:
+    """``fns[name]``, built by ``build()`` on first use (one compile per weight shape). A build
+    that failed (e.g. torchao missing) is kept and raised again at each use: every row that
+    needs it records the error."""
+    if name not in fns:
+        try:
+            fns[name] = build()
+        except Exception as exc:  # noqa: BLE001 — raised again below, per row
+            fns[name] = exc
+    if isinstance(fns[name], Exception):
+        raise fns[name]
+    return fns[name]
 
 
 def compiled(fn: Callable) -> Callable:

@@ -12,7 +12,8 @@ import os
 import subprocess
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import triton
@@ -20,6 +21,18 @@ from triton.testing import do_bench
 
 # Where the benchmarks allocate; "cpu" only for smoke-testing the scripts themselves.
 DEVICE = "cuda"
+# Where a script writes when neither ``--out`` nor ``$OUT`` says otherwise.
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def ints(text: str) -> list[int]:
+    """``"1,32,128"`` -> ``[1, 32, 128]`` (an argparse ``type``)."""
+    return [int(v) for v in text.split(",")]
+
+
+def shapes(text: str) -> list[tuple[int, ...]]:
+    """``"768x3072,4096x4096"`` -> ``[(768, 3072), (4096, 4096)]`` (an argparse ``type``)."""
+    return [tuple(int(d) for d in shape.split("x")) for shape in text.split(",")]
 
 
 # torchao's quantize_ (``set_inductor_config=True``, its default) sets these Inductor options for
@@ -144,6 +157,52 @@ def host_us(fn: Callable[[], object], calls: int = 20) -> float:
 
 def median_us(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def wall_us(fn: Callable[[], object], calls: int = 20, warmup: int = 1) -> float:
+    """Wall microseconds per call of ``fn``, host and GPU together (synchronized at both ends)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (static inputs); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return lambda: (graph.replay(), out)[1]
+
+
+def calibrated(
+    model: torch.nn.Module,
+    config,
+    batches: Sequence[dict],
+    example: dict | None = None,
+    output: str = "graph",
+    **prepare_kwargs,
+) -> torch.nn.Module:
+    """``qfuse.prepare`` on ``example`` (default: the first batch; keyword inputs), one
+    calibration forward per batch, ``qfuse.convert(..., output=output)``."""
+    import qfuse
+
+    example = batches[0] if example is None else example
+    prepared = qfuse.prepare(model, config, (), example_kwargs=example, **prepare_kwargs)
+    with torch.no_grad():
+        for batch in batches:
+            prepared(**batch)
+    return qfuse.convert(prepared, output=output)
 
 
 def measure(

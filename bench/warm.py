@@ -63,7 +63,7 @@ def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
 
 
 def _compile_one(job):
-    from qfuse.kernels import qgemm
+    from qfuse.kernels.gemm import dispatch as qgemm
     from qfuse.kernels.schedules import GemmConfig
 
     variant, cfg = job

@@ -5,17 +5,21 @@
         prepared(batch)
     qmodel = qfuse.convert(prepared)
     print(qfuse.summary(qmodel))
+
+``import qfuse`` loads the configs and errors only; every other name loads its module on first
+use (``qfuse.prepare``, ``from qfuse import convert``). The flows pull in torch.export, and the
+``qfuse::*`` ops Triton and torch's Inductor (``torch.library.triton_op`` reads its kernels'
+source with Inductor's helpers): about 2 s that a process only running a converted model from
+``torch.export.load`` should not pay twice, and a ``qfuse --help`` not at all.
 """
+
+import importlib
+import importlib.util
+
+import torch
 
 from qfuse import integrations as _integrations
 from qfuse._version import __version__
-from qfuse.algorithms.gptq import GPTQ
-from qfuse.algorithms.smoothquant import SmoothQuant
-from qfuse.analysis.fallback import FallbackResult, auto_fallback
-from qfuse.analysis.routing import CostModel, RoutePlan, route
-from qfuse.analysis.sensitivity import SensitivityReport, sensitivity
-from qfuse.analysis.summary import Summary, summary
-from qfuse.calibrate import calibrate_sequential
 from qfuse.config import PerChannel, PerTensor, PerToken, QConfig
 from qfuse.errors import (
     BackendError,
@@ -30,14 +34,82 @@ from qfuse.errors import (
     UnsupportedError,
     WeightsError,
 )
-from qfuse.export import export_onnx, export_program, export_torchscript, load, save
-from qfuse.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
-from qfuse.flows.convert import convert
-from qfuse.flows.prepare import prepare
-from qfuse.flows.qat import QATConfig, prepare_qat, sync_observers
-from qfuse.ops.backend import Backend, resolve_backend, use_backend
-from qfuse.pipeline import PipelineOptions
-from qfuse.tools.search import SearchResult, SearchSpace, search
+
+# Public name -> the module that defines it, imported on first access (PEP 562).
+_LAZY = {
+    "GPTQ": "qfuse.algorithms.gptq",
+    "SmoothQuant": "qfuse.algorithms.smoothquant",
+    "FallbackResult": "qfuse.analysis.fallback",
+    "auto_fallback": "qfuse.analysis.fallback",
+    "CostModel": "qfuse.analysis.routing",
+    "RoutePlan": "qfuse.analysis.routing",
+    "route": "qfuse.analysis.routing",
+    "SensitivityReport": "qfuse.analysis.sensitivity",
+    "sensitivity": "qfuse.analysis.sensitivity",
+    "Summary": "qfuse.analysis.summary",
+    "summary": "qfuse.analysis.summary",
+    "calibrate_sequential": "qfuse.calibrate",
+    "export_onnx": "qfuse.export",
+    "export_program": "qfuse.export",
+    "export_torchscript": "qfuse.export",
+    "load": "qfuse.export",
+    "save": "qfuse.export",
+    "export_compressed_tensors": "qfuse.export.compressed_tensors",
+    "load_compressed_tensors": "qfuse.export.compressed_tensors",
+    "convert": "qfuse.flows.convert",
+    "prepare": "qfuse.flows.prepare",
+    "QATConfig": "qfuse.flows.qat",
+    "prepare_qat": "qfuse.flows.qat",
+    "sync_observers": "qfuse.flows.qat",
+    "Backend": "qfuse.ops.backend",
+    "resolve_backend": "qfuse.ops.backend",
+    "use_backend": "qfuse.ops.backend",
+    "PipelineOptions": "qfuse.pipeline",
+    "SearchResult": "qfuse.tools.search",
+    "SearchSpace": "qfuse.tools.search",
+    "search": "qfuse.tools.search",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"qfuse.{name}") is not None:
+        value = importlib.import_module(f"qfuse.{name}")  # ``qfuse.export.onnx`` as before
+    else:
+        raise AttributeError(f"module 'qfuse' has no attribute {name!r}")
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _OpsOnFirstUse(torch._ops._OpNamespace):
+    """``torch.ops.qfuse``, registering qfuse's ops the first time one is looked up: a program
+    saved by ``qfuse.export_program`` loads with ``torch.export.load`` after ``import qfuse``
+    alone, as before the ops were loaded lazily. (``torch.jit.load`` finds ops in the C++
+    registry, past any Python hook: import ``qfuse.nn`` before it.)"""
+
+    # The ops' ``__module__`` is derived from this: as torch's own namespaces', so a program
+    # names them ``torch.ops.qfuse.*`` (from here it wrote "qfuse.qfuse.qlinear.default").
+    __module__ = torch._ops._OpNamespace.__module__
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+        import qfuse.nn  # noqa: F401 -- every qfuse::* op and kernel op, registered
+        import qfuse.ops.decode_attention  # noqa: F401
+
+        return super().__getattr__(name)
+
+
+if "qfuse" not in torch.ops.__dict__:
+    torch.ops.qfuse = _OpsOnFirstUse("qfuse")
 
 _integrations.install()  # transformers: quant_method "qfuse" (save/from_pretrained)
 

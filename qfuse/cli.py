@@ -10,12 +10,8 @@ import sys
 from qfuse.errors import QFuseError
 
 
-def _sweep_parser(sub) -> None:
-    from qfuse.tools.recipes import DEFAULT_RECIPE, recipe_names
-    from qfuse.tools.sweep import CONFIGS
-    from qfuse.tools.timing import MODES
-
-    p = sub.add_parser(
+def _sweep_parser(sub):
+    return sub.add_parser(
         "sweep",
         help="accuracy-vs-speed sweep of quantization configs on a recipe",
         description="Calibrate, convert, evaluate and time each config of a recipe; write "
@@ -23,6 +19,15 @@ def _sweep_parser(sub) -> None:
         epilog="Exit status: 0 when every config ran, 1 when any config failed (its row in the "
         "report says why), 2 for bad arguments.",
     )
+
+
+def _sweep_arguments(p) -> None:
+    """The sweep's options: their defaults load the sweep (the flows, the ops), so only a
+    command line that runs ``qfuse sweep`` builds them (``qfuse --help`` stays instant)."""
+    from qfuse.tools.recipes import DEFAULT_RECIPE, recipe_names
+    from qfuse.tools.sweep import CONFIGS
+    from qfuse.tools.timing import MODES
+
     p.add_argument(
         "--recipe",
         default=DEFAULT_RECIPE,
@@ -57,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         >>> main(["sweep", "--recipe", "no_such_recipe", "--quiet"])
         2
+        >>> main([])  # doctest: +ELLIPSIS
+        usage: qfuse [-h] [--version] {sweep} ...
+        ...
+        0
     """
     from qfuse._version import __version__
 
@@ -67,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"qfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _sweep_parser(sub)
+    sweep = _sweep_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # ``qfuse`` alone: what it can do, not a usage error
+        parser.print_help()
+        return 0
+    if argv[0] == "sweep":
+        _sweep_arguments(sweep)
     args = parser.parse_args(argv)
     try:
         return _sweep(args)

@@ -46,3 +46,34 @@ class DeviceError(QFuseError):
 class WeightsError(FormatError):
     """A checkpoint (safetensors shards) that does not hold what the prepared model needs: a
     missing key, another shape or dtype, or a path with no safetensors files."""
+
+
+def check_version(
+    version, newest: int, what: str, error: type[QFuseError] = QFuseError, written_by: str = ""
+) -> int:
+    """``version`` when this qfuse reads it (an int from 1 to ``newest``), else ``error``.
+
+    One rule for everything qfuse writes with a version and reads back (the ``.safetensors``
+    metadata, ``PipelineOptions``): a newer version may have changed a field's meaning, so it is
+    refused rather than misread. ``what`` names the field in the message, ``written_by`` (e.g.
+    ``" (written by qfuse 0.3)"``) follows the version.
+
+    Example:
+        >>> check_version(2, 2, "format_version")
+        2
+        >>> check_version(3, 2, "format_version")
+        Traceback (most recent call last):
+        ...
+        qfuse.errors.QFuseError: format_version 3 is newer than this qfuse reads (2). Upgrade ...
+    """
+    if not isinstance(version, int) or version < 1:
+        raise error(
+            f"{what} {version!r} is not a valid version: it was not written by qfuse or is "
+            "corrupted. Re-save it."
+        )
+    if version > newest:
+        raise error(
+            f"{what} {version}{written_by} is newer than this qfuse reads ({newest}). Upgrade "
+            "qfuse to read it."
+        )
+    return version

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import warnings
 from collections.abc import Iterator
 
 
@@ -119,8 +120,13 @@ def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> str:
 
 def cache_dir() -> str:
     """qfuse's per-user cache (tuned GEMM schedules, measured routing costs):
-    ``$QFUSE_CACHE_DIR``, else ``$QFUSE_CACHE`` (the routing cost cache's older name), else
-    ``~/.cache/qfuse``.
+    ``$QFUSE_CACHE_DIR``, else ``~/.cache/qfuse``.
+
+    ``$QFUSE_CACHE``, the routing cost cache's older name, is still honoured while
+    ``QFUSE_CACHE_DIR`` is unset, with a ``FutureWarning`` naming ``QFUSE_CACHE_DIR`` (a
+    ``FutureWarning`` because Python shows it to users by default; a ``DeprecationWarning``
+    raised in a library is hidden). With both set, ``QFUSE_CACHE_DIR`` wins and the warning
+    says the old one is ignored.
 
     Example:
         >>> import os
@@ -132,5 +138,9 @@ def cache_dir() -> str:
         >>> if saved is not None:
         ...     os.environ["QFUSE_CACHE_DIR"] = saved
     """
-    return (os.environ.get("QFUSE_CACHE_DIR") or os.environ.get("QFUSE_CACHE")
-            or os.path.join(os.path.expanduser("~"), ".cache", "qfuse"))
+    path, old = os.environ.get("QFUSE_CACHE_DIR"), os.environ.get("QFUSE_CACHE")
+    if old and old != path:
+        use = "ignored: QFUSE_CACHE_DIR is set" if path else "read for now; set QFUSE_CACHE_DIR"
+        warnings.warn(f"QFUSE_CACHE is qfuse's old name for QFUSE_CACHE_DIR ({use}).",
+                      FutureWarning, stacklevel=2)
+    return path or old or os.path.join(os.path.expanduser("~"), ".cache", "qfuse")

@@ -36,6 +36,7 @@ class QFuseState:
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
     gptq: object | None = None  # qfuse.algorithms.gptq.GPTQ when enabled
     hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
+    samples: dict[str, str] = field(default_factory=dict)  # chain input -> InputSamples module
     # Objects with ``apply(plan)`` that convert runs on its per-layer plan after SmoothQuant and
     # GPTQ (QAT's learned scales: qfuse.flows.qat.lower).
     plan_transforms: list = field(default_factory=list)

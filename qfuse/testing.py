@@ -10,14 +10,13 @@ are summed (``Accumulation``):
   ``ConvConfig.fp8_promote`` > 0). Recursive summation's worst case: ``K * 2**-24``.
 - ``FP8_TENSOR_CORE``: Hopper wgmma accumulating in place (Triton's sm_90 default,
   ``max_num_imprecise_acc = 2**30``): about 14 retained bits (DeepSeek-V3 report, sec. 3.3.2),
-  nominally ``2**-13``, but measured on an H100 (torch 2.11 / triton 3.6,
-  ``bench/results/conv_fp8_h100.json``, column ``eps`` = log2 of the worst error over the
-  magnitude sum, float32 outputs) it reached 2**-10.9 (r50 3x3 128ch) and 2**-11.2 to 2**-12.1
-  on the other seven conv shapes; with 2**-13 the GPU tests' float32 checks missed by 1.6-3.1x
-  (``bench/results/gpu_failures_h100.txt``). The bound is ``2**-10``: 1.9x the worst measured.
+  nominally ``2**-13``, but measured on an H100 (torch 2.11 / triton 3.6: the worst error over
+  the magnitude sum, float32 outputs) it reached 2**-10.9 (r50 3x3 128ch) and 2**-11.2 to
+  2**-12.1 on the other seven conv shapes, so that with 2**-13 the GPU tests' float32 checks
+  failed. The bound is ``2**-10``: 1.9x the worst measured.
   With promotion the tensor core still sums each interval at its own precision, but relative
   to that interval's partial instead of the whole running sum; it is treated as ``FP32`` here,
-  which ``bench/diag_conv_fp8.py`` checks on the GPU (column ``new>``).
+  which bench's fp8 conv diagnostic checks on the GPU.
 
 A wrong kernel still fails: away from zero the bound is one output step plus a few 1e-3 of y.
 """

@@ -1,34 +1,38 @@
-"""PTQ and QAT of a trained Llama (``calibration/llm/``, made by ``recipes.train_llm``) with qfuse.
+"""PTQ and QAT of a real trained LLM with qfuse: SmolLM2-135M-Instruct (``calibration/smollm2/``;
+``--model toy``: the small Llama of ``calibration/llm/``, a fast CI fixture).
 
-    python -m qfuse.recipes.ptq_llm                          # every config; CPU, 2 threads
-    python -m qfuse.recipes.ptq_llm --peer /work/venv-llmc/bin/python  # + llm-compressor, same data
-    python -m qfuse.recipes.ptq_llm --configs "fp8 static,int8 dynamic" --heldout 64 --qat-steps 0
+    python -m qfuse.recipes.ptq_llm                        # every config; CPU, 2 threads
+    python -m qfuse.recipes.ptq_llm --peer /work/venv-llmc/bin/python   # + llm-compressor rows
+    python -m qfuse.recipes.ptq_llm --configs "fp8 dynamic,int8 dynamic" --qat-steps 0
 
 Each config is used as a user would: ``qfuse.prepare`` on the float model, calibration windows
-through it, ``qfuse.convert(output="model")`` (a ``LlamaForCausalLM`` again, LM head kept float
-as llm-compressor and ModelOpt do), then measured on held-out text the model never saw:
+through it, ``qfuse.convert(output="model")`` (a ``LlamaForCausalLM`` again; the LM head stays
+float: SmolLM2's is tied to the embeddings, and an untied one is kept float as llm-compressor
+and ModelOpt do), then measured on held-out text the calibration never saw:
 
-- perplexity, next to the float model's measured the same way (bf16 checkpoint, fp32 compute);
+- perplexity, next to the float model's measured the same way (float32);
 - top-1 agreement: the share of held-out positions whose greedy next token equals float's;
 - generation agreement: ``generate()`` continues held-out prompts greedily; the share of
   generated tokens equal to float's continuation at the same position;
-- a text sample from ``generate()``.
+- greedy answers to a few chat prompts (SmolLM2) or a text sample (toy).
 
 "best int8 static" is the int8 static config with the lowest perplexity on the validation
 windows (calibration text the observers never saw), never chosen on held-out text;
-``auto_fallback`` and QAT start from it. ``--peer`` runs ``bench/llm_peer.py`` (llm-compressor
-W8A8, SmoothQuant + GPTQ) in its own venv on the same calibration windows and adds its row.
+``auto_fallback`` (asked for by name: fp8 for the fewest layers that bring it within the
+budget; its row says what share of the layers left int8) and QAT start from it. ``--peer``
+runs ``bench/models/llm_peer.py`` (llm-compressor W8A8 with SmoothQuant + GPTQ, and
+FP8_DYNAMIC) in its own venv on the same windows and adds their rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,13 +41,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import torch  # noqa: E402
-from qfuse.calibration import llm as data  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import qfuse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LM_HEAD = {"lm_head": "LM head kept float (its rounding lands on the logits unaveraged)"}
+MODELS = {"smollm2": "qfuse.calibration.smollm2", "toy": "qfuse.calibration.llm"}
+
+
+def dataset(model: str):
+    """The data module of ``model``: its loader, windows and metrics."""
+    if model not in MODELS:
+        raise SystemExit(f"unknown model {model!r}; choose from {sorted(MODELS)}")
+    return importlib.import_module(MODELS[model])
 
 
 @dataclass
@@ -55,31 +66,33 @@ class Recipe:
 
 
 def recipes() -> list[Recipe]:
-    # SmoothQuant's default selection: on Llama, Q/K/V after input_layernorm and gate/up after
-    # post_attention_layernorm, its factors folded into those RMSNorms' weights.
-    sq = qfuse.SmoothQuant(0.5)
-    asym = qfuse.QConfig.int8_static_asymmetric()
+    # SmoothQuant(0.5)'s default selection: on Llama, Q/K/V after input_layernorm and gate/up
+    # after post_attention_layernorm, its factors folded into those RMSNorms' weights.
+    # SmoothQuant(search=True): every Linear, per input the alpha and static clip with the least
+    # output error on calibration rows (down_proj's sink-token outliers need both).
+    sq, search, gptq = qfuse.SmoothQuant(0.5), qfuse.SmoothQuant(search=True), qfuse.GPTQ()
+    static, dynamic = qfuse.QConfig.int8_static(), qfuse.QConfig.int8_dynamic()
     return [
-        Recipe("fp8 static", qfuse.QConfig.fp8_static()),
         Recipe("fp8 dynamic", qfuse.QConfig.fp8_dynamic()),
-        Recipe("int8 dynamic", qfuse.QConfig.int8_dynamic()),
-        # GPTQ alone on the dynamic config (SmoothQuant folded into the RMSNorms would run here
-        # too; a prologue vector would not, it needs a static activation scale).
-        Recipe("int8 dynamic + GPTQ", qfuse.QConfig.int8_dynamic(), {"gptq": qfuse.GPTQ()}),
-        Recipe("int8 static", qfuse.QConfig.int8_static(), static_int8=True),
-        Recipe("int8 static asym", asym, static_int8=True),
-        Recipe("int8 static asym + SmoothQuant", asym, {"smoothquant": sq}, static_int8=True),
-        Recipe(
-            "int8 static asym + SmoothQuant + GPTQ",
-            asym,
-            {"smoothquant": sq, "gptq": qfuse.GPTQ()},
-            static_int8=True,
-        ),
+        Recipe("fp8 dynamic + GPTQ", qfuse.QConfig.fp8_dynamic(), {"gptq": gptq}),
+        Recipe("fp8 static", qfuse.QConfig.fp8_static()),
+        Recipe("int8 dynamic", dynamic),
+        Recipe("int8 dynamic + GPTQ", dynamic, {"gptq": gptq}),
+        # llm-compressor's W8A8 recipe (SmoothQuant 0.8 + GPTQ, per-token activations)
+        Recipe("int8 dynamic + SmoothQuant(0.8) + GPTQ", dynamic,
+               {"smoothquant": qfuse.SmoothQuant(0.8), "gptq": gptq}),
+        Recipe("int8 static", static, static_int8=True),
+        Recipe("int8 static + SmoothQuant(0.5)", static, {"smoothquant": sq}, static_int8=True),
+        Recipe("int8 static + SmoothQuant search", static, {"smoothquant": search},
+               static_int8=True),
+        Recipe("int8 static + SmoothQuant search + GPTQ", static,
+               {"smoothquant": search, "gptq": gptq}, static_int8=True),
     ]
 
 
-def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 8):
+def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 4):
     """``qfuse.prepare`` + calibration over the windows' inputs (every dimension dynamic)."""
+    calib = calib.to(next(model.parameters()).device)
     prepared = qfuse.prepare(
         model,
         recipe.config,
@@ -93,9 +106,10 @@ def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 8):
     return prepared
 
 
-def measure(model, ref: dict | None, held, valid, prompts) -> dict:
+def measure(data, model, ref: dict | None, held, valid, prompts) -> dict:
     """Perplexities, agreements with the float model's ``ref`` (its own ``measure``; None for
-    the float model itself) and a text sample of one model. Tensors: greedy and generated ids."""
+    the float model itself) and greedy answers of one model. Tensors: greedy and generated
+    ids."""
     t0 = time.perf_counter()
     ppl, greedy = data.score(model, held)
     row = dict(perplexity=ppl, validation_perplexity=data.score(model, valid)[0], greedy=greedy)
@@ -107,12 +121,15 @@ def measure(model, ref: dict | None, held, valid, prompts) -> dict:
         if ref is not None:
             same = row["generated"] == ref["generated"]
             row["generation_agreement"] = same.float().mean().item()
-        row["sample"] = data.sample(model)
+        if hasattr(data, "chat"):
+            row["chat"] = dict(zip(data.CHAT_PROMPTS, data.chat(model), strict=True))
+        else:
+            row["sample"] = data.sample(model)
     row["eval_seconds"] = time.perf_counter() - t0
     return row
 
 
-def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progress: bool):
+def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, progress: bool):
     """QAT from a calibrated PTQ model: its scales and SmoothQuant factors carry over and stay
     (observers frozen); the weights train by distillation (KL to the float model's next-token
     distribution) on calibration-text windows the held-out set never shares."""
@@ -134,7 +151,7 @@ def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progres
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in tqdm(range(steps), desc="QAT", disable=not progress):
-        x = train[torch.randint(0, train.shape[0], (8,), generator=gen), :-1]
+        x = train[torch.randint(0, train.shape[0], (4,), generator=gen), :-1]
         with torch.no_grad():
             target = torch.log_softmax(model(input_ids=x).logits.float(), -1)
         logp = torch.log_softmax(data.logits_of(qat(input_ids=x)).float(), -1)
@@ -146,28 +163,22 @@ def qat_finetune(model, recipe: Recipe, prepared, steps: int, lr: float, progres
         opt.step()
         sched.step()
         losses.append(loss.item())
-    return qfuse.convert(qat.eval(), output="model", keep_float=LM_HEAD), losses
+    return qfuse.convert(qat.eval(), output="model", keep_float=lm_head(qat)), losses
 
 
-def peer_row(python: str, n_calib: int, n_held: int, n_prompts: int) -> dict:
-    """llm-compressor's W8A8 (``bench/llm_peer.py``) in its own interpreter; its JSON row."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer.json"
-        cmd = [
-            python,
-            str(ROOT / "bench" / "llm_peer.py"),
-            "--out",
-            str(out),
-            "--calibration",
-            str(n_calib),
-            "--heldout",
-            str(n_held),
-            "--prompts",
-            str(n_prompts),
-        ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-        return json.loads(out.read_text())
+def peer_rows(python: str, model: str, n_calib: int, n_held: int, n_prompts: int) -> list:
+    """llm-compressor's W8A8 and FP8_DYNAMIC (``bench/models/llm_peer.py``) in its own
+    interpreter; their JSON rows."""
+    rows = []
+    for scheme in ("w8a8", "fp8_dynamic"):
+        out = ROOT / "bench" / "results" / f".peer_{scheme}.partial.json"
+        cmd = [python, "-m", "bench.models.llm_peer", "--out", str(out), "--model", model,
+               "--scheme", scheme, "--calibration", str(n_calib), "--heldout", str(n_held),
+               "--prompts", str(n_prompts)]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        rows.append(json.loads(out.read_text()))
+        out.unlink()
+    return rows
 
 
 def run(
@@ -175,14 +186,20 @@ def run(
     heldout=None,
     calibration=None,
     prompts=16,
-    qat_steps=100,
+    qat_steps=200,
     qat_lr=2e-5,
     fallback_pct=1.0,
     peer=None,
     progress=True,
     bf16=True,
+    model_name="smollm2",
+    device="cpu",
+    dtype=torch.float32,
 ) -> dict:
-    """Every recipe (or those ``names``) on the trained Llama; the result dict the CLI writes."""
+    """Every recipe (or those ``names``) on ``model_name``; the result dict the CLI writes.
+    ``device``/``dtype``: where and in what the model runs (on CUDA, bf16 runs the Triton
+    kernels; each quantized row is then measured against the bf16 model)."""
+    data = dataset(model_name)
     chosen = [r for r in recipes() if names is None or r.name in names]
     unknown = set(names or ()) - {r.name for r in recipes()} - {"auto_fallback", "QAT"}
     if unknown:
@@ -191,47 +208,55 @@ def run(
             f"{[r.name for r in recipes()] + ['auto_fallback', 'QAT']}"
         )
     torch.manual_seed(0)
-    model = data.load_model()
+    model = data.load_model(dtype).to(device)
     held = data.heldout_windows(heldout)
     valid, calib = data.validation_windows(), data.calibration_windows(calibration)
     prompt_ids = data.prompts(held, prompts) if prompts else None
-    ref = measure(model, None, held, valid, prompt_ids)
-    rows = [dict(config="float (bf16 weights, fp32 compute)", **ref)]
-    if bf16:
+    ref = measure(data, model, None, held, valid, prompt_ids)
+    rows = [dict(config=f"float ({str(dtype).replace('torch.', '')})", **ref)]
+    if bf16 and dtype == torch.float32:
         half = copy.deepcopy(model).to(torch.bfloat16)
-        rows.append(dict(config="bf16 compute", **measure(half, ref, held, valid, prompt_ids)))
+        rows.append(dict(config="bf16 compute",
+                         **measure(data, half, ref, held, valid, prompt_ids)))
     best = None
     for recipe in tqdm(chosen, desc="configs", disable=not progress):
         t0 = time.perf_counter()
         prepared = calibrate(model, recipe, calib)
-        qmodel = qfuse.convert(prepared, output="model", keep_float=LM_HEAD)
+        qmodel = qfuse.convert(prepared, output="model", keep_float=lm_head(prepared))
         row = dict(
             config=recipe.name,
             convert_seconds=time.perf_counter() - t0,
-            **measure(qmodel, ref, held, valid, prompt_ids),
+            layers=_precisions(qmodel),
+            **measure(data, qmodel, ref, held, valid, prompt_ids),
         )
         rows.append(row)
         if recipe.static_int8 and (best is None or row["validation_perplexity"] < best[2]):
             best = (recipe, prepared, row["validation_perplexity"])
         _print_row(row)
-    if best is not None and (names is None or "auto_fallback" in names):
+    if best is not None and names is not None and "auto_fallback" in names:
+        # Asked for by name: the per-layer sensitivity pass converts every layer once.
         recipe, prepared, _ = best
         budget = ref["validation_perplexity"] * fallback_pct / 100
-
-        def valid_ppl(m):
-            return data.score(m, valid)[0]
-
         t0 = time.perf_counter()
-        _, fb = qfuse.auto_fallback(prepared, valid_ppl, max_drop=budget, higher_is_better=False)
-        kept = {**LM_HEAD, **fb.kept_float}
-        qmodel = qfuse.convert(prepared, output="model", keep_float=kept)
+        report = qfuse.sensitivity(prepared, data=[{"input_ids": calib[:2, :-1]}],
+                                   quiet=not progress)
+        _, fb = qfuse.auto_fallback(
+            prepared, lambda m: data.score(m, valid)[0], max_drop=budget,
+            higher_is_better=False, fallback="fp8", report=report, quiet=not progress,
+        )
+        moved = {n: torch.float8_e4m3fn for n in fb.fallback_layers}
+        qmodel = qfuse.convert(prepared, output="model", keep_float=lm_head(prepared),
+                               layer_dtypes=moved,
+                               notes=fb.fallback_layers)
         rows.append(
             dict(
-                config=f"{recipe.name} + auto_fallback",
+                config=f"{recipe.name} + auto_fallback (fp8)",
                 convert_seconds=time.perf_counter() - t0,
-                kept_float=sorted(fb.kept_float),
+                fallback_layers=sorted(fb.fallback_layers),
+                fallback_share=len(moved) / max(1, len(report.rows)),
                 fallback_evaluations=fb.evaluations,
-                **measure(qmodel, ref, held, valid, prompt_ids),
+                layers=_precisions(qmodel),
+                **measure(data, qmodel, ref, held, valid, prompt_ids),
             )
         )
         _print_row(rows[-1])
@@ -240,7 +265,8 @@ def run(
         t0 = time.perf_counter()
         name = f"QAT {recipe.name} ({qat_steps} steps)"
         try:
-            qmodel, losses = qat_finetune(model, recipe, prepared, qat_steps, qat_lr, progress)
+            qmodel, losses = qat_finetune(data, model, recipe, prepared, qat_steps, qat_lr,
+                                          progress)
         except Exception as exc:  # noqa: BLE001 - the table keeps the PTQ rows and says why
             rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
             print(f"{name}: {rows[-1]['error']}", flush=True)
@@ -250,17 +276,19 @@ def run(
                     config=name,
                     convert_seconds=time.perf_counter() - t0,
                     qat_loss=[losses[0], losses[-1]],
-                    **measure(qmodel, ref, held, valid, prompt_ids),
+                    **measure(data, qmodel, ref, held, valid, prompt_ids),
                 )
             )
             _print_row(rows[-1])
     if peer:
-        row = peer_row(peer, calib.shape[0], held.shape[0], prompts)
-        row["perplexity_change_pct"] = 100 * (row["perplexity"] / ref["perplexity"] - 1)
-        rows.append(row)
-        _print_row(row)
+        for row in peer_rows(peer, model_name, calib.shape[0], held.shape[0], prompts):
+            row["perplexity_change_pct"] = 100 * (row["perplexity"] / ref["perplexity"] - 1)
+            rows.append(row)
+            _print_row(row)
     return dict(
-        model=json.loads((data.DIR / "manifest.json").read_text()),
+        model=model_name,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        dtype=str(dtype).replace("torch.", ""),
         heldout_windows=held.shape[0],
         calibration_windows=calib.shape[0],
         validation_windows=valid.shape[0],
@@ -268,12 +296,27 @@ def run(
         prompts=0 if prompt_ids is None else prompt_ids.shape[0],
         prompt_len=data.PROMPT_LEN,
         new_tokens=data.NEW_TOKENS,
-        sample_prompt=data.SAMPLE_PROMPT,
         best_int8_static=None if best is None else best[0].name,
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         rows=[_public(r) for r in rows],
     )
+
+
+def lm_head(prepared) -> dict:
+    """``LM_HEAD`` where the LM head is a quantizable layer (a tied one already stays float)."""
+    from qfuse.state import get_state
+
+    names = {c.name for c in get_state(prepared).chains}
+    return {k: v for k, v in LM_HEAD.items() if k in names}
+
+
+def _precisions(qmodel) -> dict:
+    """How many layers run at each precision (``summary``)."""
+    counts: dict = {}
+    for row in qfuse.summary(qmodel).rows:
+        counts[row["precision"]] = counts.get(row["precision"], 0) + 1
+    return counts
 
 
 def _public(row: dict) -> dict:
@@ -282,11 +325,13 @@ def _public(row: dict) -> dict:
 
 def _print_row(r: dict) -> None:
     if "error" in r:
-        print(f"{r['config']:<46} error: {r['error']}", flush=True)
+        print(f"{r['config']:<52} error: {r['error']}", flush=True)
         return
-    line = f"{r['config']:<46} ppl {r['perplexity']:8.3f}"
+    line = f"{r['config']:<52} ppl {r['perplexity']:8.3f}"
     if "perplexity_change_pct" in r:
-        line += f" ({r['perplexity_change_pct']:+.2f}%)  top1 {r['top1_agreement']:.3f}"
+        line += f" ({r['perplexity_change_pct']:+.2f}%)"
+    if "top1_agreement" in r:
+        line += f"  top1 {r['top1_agreement']:.3f}"
     if "generation_agreement" in r:
         line += f"  gen {r['generation_agreement']:.3f}"
     print(line, flush=True)
@@ -316,11 +361,12 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--configs", default=None, help="comma-separated names (default: all)")
-    parser.add_argument("--heldout", type=int, default=None, help="held-out windows (all)")
+    parser.add_argument("--heldout", type=int, default=None, help="held-out windows")
     parser.add_argument("--calibration", type=int, default=None, help="calibration windows")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--qat-steps", type=int, default=100)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--qat-steps", type=int, default=200)
     parser.add_argument("--qat-lr", type=float, default=2e-5)
     parser.add_argument(
         "--fallback-pct",
@@ -329,8 +375,10 @@ def main() -> None:
         help="auto_fallback budget: validation perplexity increase, % of float's",
     )
     parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/llm_ptq_cpu.json")
+    parser.add_argument("--out", type=Path, default=Path("llm_ptq.json"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernels)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="print the table of a result file and exit"
     )
@@ -351,51 +399,50 @@ def main() -> None:
         args.fallback_pct,
         args.peer,
         progress=sys.stderr.isatty(),
+        model_name=args.model,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
     )
     result["seconds"] = time.perf_counter() - start
+    result["command"] = "python -m qfuse.recipes.ptq_llm " + " ".join(sys.argv[1:])
     tmp = args.out.with_suffix(".partial")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, args.out)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 
 
-if __name__ == "__main__":
-    main()
-
-
-def sweep_spec(reduced: bool = False):
-    """The trained Llama as a ``qfuse sweep`` recipe: held-out perplexity (lower is better);
+def sweep_spec(reduced: bool = False, model: str = "smollm2"):
+    """The LLM yardstick as a ``qfuse sweep`` recipe: held-out perplexity (lower is better);
     ``best`` tunes on the validation windows, within 1% of float's perplexity by default.
 
-    ``reduced``: 16 calibration, 8 validation and 16 held-out windows.
-
-    Example:
-        >>> spec = sweep_spec(reduced=True)
-        >>> spec.metric, spec.higher_is_better, len(spec.calibration)
-        ('held-out perplexity', False, 2)
+    ``reduced``: 8 calibration, 4 validation and 4 held-out windows.
     """
     from qfuse.tools import SweepSpec
 
-    model = data.load_model()
-    n = 16 if reduced else None
-    held, valid = data.heldout_windows(n), data.validation_windows(8 if reduced else None)
-    calib = data.calibration_windows(n)
-    float_valid = data.score(model, valid)[0]
+    data = dataset(model)
+    float_model = data.load_model()
+    held = data.heldout_windows(4 if reduced else None)
+    valid = data.validation_windows(4 if reduced else None)
+    calib = data.calibration_windows(8 if reduced else None)
+    float_valid = data.score(float_model, valid)[0]
     return SweepSpec(
         name="llm",
-        model=model,
-        calibration=[{"input_ids": calib[i : i + 8, :-1]} for i in range(0, calib.shape[0], 8)],
+        model=float_model,
+        calibration=[{"input_ids": calib[i : i + 4, :-1]} for i in range(0, calib.shape[0], 4)],
         evaluate=lambda m: data.score(m, held)[0],
         validate=lambda m: data.score(m, valid)[0],
-        example={"input_ids": held[:8, :-1]},
+        example={"input_ids": held[:4, :-1]},
         metric="held-out perplexity",
         higher_is_better=False,
         default_max_drop=0.01 * float_valid,
         description=(
-            f"The trained 4-layer Llama of calibration/llm/ (stdlib sources, 4096-token BPE): "
-            f"perplexity on {held.shape[0]} held-out windows of {data.SEQ_LEN} tokens; "
+            f"{model}: perplexity on {held.shape[0]} held-out windows of {data.SEQ_LEN} tokens; "
             f"calibration {calib.shape[0]} windows; `best` tunes on {valid.shape[0]} validation "
-            f"windows within 1% of float's perplexity. Latency: one forward of 8 x "
+            f"windows within 1% of float's perplexity. Latency: one forward of 4 x "
             f"{data.SEQ_LEN} tokens."
         ),
     )
+
+
+if __name__ == "__main__":
+    main()

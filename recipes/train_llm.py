@@ -207,7 +207,7 @@ def main() -> None:
     sep = EOS  # the tokenizer reads it back as one token: the same ids as in training
     (args.out / "heldout.txt").write_text(sep.join(t for _, t in held_files), encoding="utf-8")
     calib = [t for p, t in train_files if p in CALIBRATION]
-    (args.out / "qfuse.calibration.txt").write_text(sep.join(calib), encoding="utf-8")
+    (args.out / "calibration.txt").write_text(sep.join(calib), encoding="utf-8")
     manifest = {
         "python_stdlib": sysconfig.get_paths()["stdlib"],
         "training_files": len(train_files),

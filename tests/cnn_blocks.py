@@ -116,7 +116,7 @@ def reestimate_batchnorm(model: nn.Module, make_batch, steps: int = 4) -> nn.Mod
     """BatchNorm statistics from random data (train mode, cumulative average), then eval: a
     random-weight model then has O(1) activations to quantize (see issue 11). ``make_batch()``
     returns the model's input, or a dict of keyword inputs. Shared by the tests, the zoo and
-    ``bench/conv_networks.py``."""
+    ``bench/models/conv_networks.py``."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
         return model

@@ -61,7 +61,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
-    """A test that sets torch's thread count (``bench/calib_large.main`` does) sets it for the
+    """A test that sets torch's thread count (``bench.models.calib_large`` does) sets it for the
     tests after it on the same process: restore it."""
     threads = torch.get_num_threads()
     yield

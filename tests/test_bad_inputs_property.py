@@ -10,11 +10,10 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 import qfuse
+from tests.optional import HealthCheck, given, settings, st
 
 FEATURES = 8
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -1,15 +1,11 @@
-"""bench/bench_llm.py on a 2-layer Llama on the CPU: every row is checked, timed or an error,
+"""bench/models/bench_llm.py on a 2-layer Llama on the CPU: every row is checked, timed or an error,
 and the JSON carries what the GPU run's file must (device, versions, commit, rows)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import bench_llm  # noqa: E402
+from bench.models import bench_llm
 
 
 def test_tiny_run_writes_checked_rows(tmp_path):

@@ -1,14 +1,10 @@
-"""bench/bench_models.py's resume logic (the timing itself needs CUDA): a second call at the same
-commit runs only what the first left, and rows from other code never mix in."""
+"""bench/models/bench_models.py's resume logic (the timing itself needs CUDA): a second call at
+the same commit runs only what the first left, and rows from other code never mix in."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import bench_models  # noqa: E402
-import harness  # noqa: E402
+from bench import harness
+from bench.models import bench_models
 
 
 def _write(path, commit, rows):
@@ -53,21 +49,24 @@ def test_launch_modes_counts_fused_linears():
 
 
 def test_committed_results_are_unambiguous():
-    # A reader (or a script) that keys rows by (model, batch, impl, mode) across the committed
-    # files must not be able to pair a qfuse row with a bf16 row of another run or device: each
+    # A reader (or a script) that keys rows by (model, batch, seq, impl, mode) across one GPU's
+    # current files must not be able to pair a qfuse row with a bf16 row of another run: each
     # key lives in one file, and each quantized row's bf16 baseline is in that same file.
-    import json
     from pathlib import Path
 
-    files = sorted((Path(__file__).parent.parent / "bench" / "results").glob("models_*.json"))
-    assert files, "no committed bench_models results"
+    current = Path(__file__).parent.parent / "bench" / "results" / "current"
+    files = sorted(current.glob("*/models_*.json"))
+    assert files, "no current bench_models results"
     seen: dict[tuple, str] = {}
     for f in files:
-        rows = [r for r in json.loads(f.read_text())["rows"] if "median_us" in r]
-        keys = {(r["model"], r["batch"], r["impl"], r["mode"]) for r in rows}
+        rows = [r for r in json.loads(f.read_text())["rows"] if "model" in r and "median_us" in r]
+        keys = {(f.parent.name, r["model"], r["batch"], r.get("seq"), r["impl"], r["mode"])
+                for r in rows}
+        name = f"{f.parent.name}/{f.name}"
         for key in keys:
-            assert key not in seen, f"{key} in both {seen[key]} and {f.name}"
-            seen[key] = f.name
-        for model, batch, impl, mode in keys:
+            assert key not in seen, f"{key} in both {seen[key]} and {name}"
+            seen[key] = name
+        for gpu, model, batch, seq, impl, mode in keys:
             if impl.startswith(("qfuse", "torchao")):
-                assert (model, batch, "bf16", mode) in keys, f"{f.name}: {impl} {mode} lacks bf16"
+                assert (gpu, model, batch, seq, "bf16", mode) in keys, (
+                    f"{name}: {impl} {mode} lacks bf16")

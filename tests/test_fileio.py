@@ -2,6 +2,7 @@
 
 import doctest
 import os
+import warnings
 
 import pytest
 
@@ -61,11 +62,26 @@ def test_one_cache_directory_for_tuning_and_routing(tmp_path, monkeypatch):
     from qfuse.fileio import cache_dir
     from qfuse.kernels import tuning
 
-    monkeypatch.delenv("QFUSE_CACHE_DIR", raising=False)
-    monkeypatch.setenv("QFUSE_CACHE", str(tmp_path / "old"))  # the routing cache's older name
-    assert cache_dir() == str(tmp_path / "old")
-    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path / "new"))  # wins over the old name
+    monkeypatch.delenv("QFUSE_CACHE", raising=False)
+    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path / "new"))
+    assert cache_dir() == str(tmp_path / "new")
     assert os.path.dirname(tuning._cache_path()) == str(tmp_path / "new")
     assert str(CostModel.cache_path("NVIDIA H200").parent) == str(tmp_path / "new")
     assert CostModel(measured={"k": 1.0}).save("NVIDIA H200").exists()
     assert os.listdir(tmp_path / "new") == ["costs-NVIDIA_H200.json"]  # no temp file left
+
+
+def test_the_old_cache_variable_warns_and_names_the_new_one(tmp_path, monkeypatch):
+    from qfuse.fileio import cache_dir
+
+    monkeypatch.delenv("QFUSE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QFUSE_CACHE", str(tmp_path / "old"))  # the routing cache's older name
+    with pytest.warns(FutureWarning, match="QFUSE_CACHE_DIR.*read for now"):
+        assert cache_dir() == str(tmp_path / "old")  # honoured while the new one is unset
+    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path / "new"))
+    with pytest.warns(FutureWarning, match="ignored: QFUSE_CACHE_DIR is set"):
+        assert cache_dir() == str(tmp_path / "new")
+    monkeypatch.setenv("QFUSE_CACHE", str(tmp_path / "new"))  # the same folder: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache_dir() == str(tmp_path / "new")

@@ -1,18 +1,13 @@
 """generate() on a converted Llama (gate/up merged into one GEMM with the SwiGLU epilogue, int8
 hand-off to the down projection): greedy tokens with dynamic and static caches and under
-torch.compile equal the CPU reference's (``bench/generate_parity.py``'s ``parity``); on the GPU
-for int8 with the IEEE-exact epilogue, the bit-exact contract."""
-
-import sys
-from pathlib import Path
+torch.compile equal the CPU reference's (``bench/models/generate_parity.py``'s ``parity``); on
+the GPU for int8 with the IEEE-exact epilogue, the bit-exact contract."""
 
 import pytest
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-import generate_parity  # noqa: E402
-
+from bench.models import generate_parity  # noqa: E402
 from qfuse.nn.gated_mlp import QGatedMLP  # noqa: E402
 
 

@@ -60,7 +60,7 @@ def test_candidates_and_margin_keep_the_config_dtype():
 
 
 def test_measured_timings_override_the_analytic_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("QFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path))
     measured = {"int8:16x4096x10": 1.0, "fp8:16x4096x10": 2.0, "bf16:16x4096x10": 9.0}
     model = CostModel(measured=measured)
     assert model.predict_us("int8", 16, 4096, 10) == (1.0, "measured")
@@ -90,7 +90,7 @@ def test_measure_needs_a_gpu():
 
 @pytest.mark.gpu
 def test_measure_on_the_gpu_fills_and_reuses_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("QFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("QFUSE_CACHE_DIR", str(tmp_path))
     prepared = prepared_model(d=1024)
     plan = qfuse.route(prepared, tokens=2048, measure=True)
     assert all(src == "measured" for p in plan.predictions.values() for _, src in p.values())

@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import qfuse
 from qfuse.algorithms.smoothquant import factors
@@ -172,3 +173,46 @@ def test_a_default_selection_that_matches_nothing_names_the_fix():
         qfuse.prepare(
             model.eval(), qfuse.QConfig.int8_static(), (x,), smoothquant=qfuse.SmoothQuant()
         )
+
+
+def test_search_picks_per_layer_alpha_and_clip_and_beats_one_global_alpha():
+    """A Linear reading a SwiGLU-like product with an outlier channel and a few huge rows (the
+    attention sinks of a real LLM): one global alpha with the min/max range loses to the
+    per-layer search, which the summary names."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            h = torch.nn.functional.silu(self.up(x)) * 3.0
+            return self.down(h)
+
+    model = Block().eval()
+    with torch.no_grad():
+        model.up.weight[5] *= 40  # an outlier channel of down's input
+    batches = [torch.randn(4, 16, 32) for _ in range(4)]
+    for b in batches:
+        b[:, 0] *= 25  # each sequence's first row far larger (a sink)
+    held = torch.randn(4, 16, 32)
+    ref = model(held)
+
+    def error(smoothquant):
+        prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (batches[0],),
+                                 smoothquant=smoothquant)
+        with torch.no_grad():
+            for b in batches:
+                prepared(b)
+        q = qfuse.convert(prepared)
+        with torch.no_grad():
+            return (q(held) - ref).norm().item() / ref.norm().item(), q
+
+    global_err, _ = error(qfuse.SmoothQuant(0.5, layers=("down",)))
+    searched_err, q = error(qfuse.SmoothQuant(search=True))
+    assert searched_err < 0.7 * global_err, (searched_err, global_err)
+    notes = {r["name"]: r["note"] for r in qfuse.summary(q).rows}
+    assert notes["down"].startswith("SmoothQuant search: ")
+    assert "activation clip" in notes["down"]
+    assert not any("qfuse_samples" in n for n, _ in q.named_modules())  # removed at convert

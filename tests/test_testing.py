@@ -17,12 +17,12 @@ from qfuse.testing import (
     conv_magnitude,
     output_excess,
 )
-from tests.kernels.test_conv import make_case
+from tests.kernels.test_conv import make_case, split
 
 
 def _case():
     args = make_case("cpu", qdtype=FP8, out_dtype=FP8, act="relu", c_in=16, c_out=16, hw=(8, 8))
-    ref = reference.qconv2d(**args)
+    ref = reference.qconv2d(*split(args))
     xq = reference._quantize_input(args["x"], args["x_inv_scale"], None, FP8)
     mag = conv_magnitude(xq, args["weight"], args["stride"], args["padding"], args["dilation"],
                          1) * args["scale"].double().reshape(1, -1, 1, 1)
@@ -71,7 +71,7 @@ def test_a_wrong_reduction_fails_in_either_mode():
     args, ref, mag = _case()
     wrong = dict(args, weight=args["weight"].clone())
     wrong["weight"][:, 3] = 0
-    bad = reference.qconv2d(**wrong)
+    bad = reference.qconv2d(*split(wrong))
     inv = args["out_inv_scale"].item()
     for mode in Accumulation:
         assert (output_excess(bad, ref, accumulation_eps(mode, 144) * mag, inv) > 1).sum() > 50

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")
 
 import qfuse  # noqa: E402
-from tests.zoo_models import CNNS, LM_HEAD_REASON, ZOO, run  # noqa: E402
+from tests.zoo_models import CNNS, LM_HEAD_REASON, SEQ2SEQ, ZOO, run, run_seq2seq  # noqa: E402
 
 # Random-weight CNNs, judged per layer (the issue's rule): their end-to-end error measures chaos,
 # not quantization. MobileNetV2's output moves 73% for 3.5% noise on its first conv; ResNet's
@@ -39,6 +39,19 @@ def _judge(row: dict, max_rel: float) -> None:
 def test_zoo_int8_static(name, tmp_path):
     row = run(name, qfuse.QConfig.int8_static_asymmetric(), save_dir=str(tmp_path))
     _judge(row, max_rel=0.03)
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_zoo_encoder_decoders_generate_and_save_pretrained(name, tmp_path):
+    """T5, BART (Marian's architecture) and Whisper with their decoders: captured without the
+    decoder's cache (T5's stack built an ``EncoderDecoderCache`` from its own config), then
+    ``generate()`` on the swapped model and the same tokens after from_pretrained."""
+    row = run_seq2seq(name, qfuse.QConfig.int8_static_asymmetric(), str(tmp_path))
+    assert row["quantized"] >= 0.9 * row["gemms"], row
+    assert row["rel_err_graph"] <= 0.03 and row["rel_err_model"] <= 0.03, row
+    assert len(row["tokens"][0]) == len(row["float_tokens"][0]) >= 4, row
+    assert row["reloaded_class"] == type(SEQ2SEQ[name]()[0]).__name__, row
+    assert row["reloaded_tokens_equal"] and row["reloaded_logits_equal"], row
 
 
 def test_zoo_llama_int8_static_symmetric(tmp_path):
@@ -86,7 +99,7 @@ def test_resnet_as_its_own_class():
 @pytest.mark.gpu
 def test_resnet_asymmetric_graph_on_cuda():
     """The fused graph of ResNet with asymmetric activations on the GPU: 1.13 rel. error on the
-    H200 and the H100 until session 6 (CPU 0.060). bench/diag_resnet_asym.py found it node by
+    H200 and the H100 until session 6 (CPU 0.060). bench/diag/diag_resnet_asym.py found it node by
     node: the int8 max-pool, whose padding taps read 0 instead of -128 on the GPU (vectorized
     int8 loads with ``other=-128``), beat every all-zero-point window of the asymmetric stem."""
     if not torch.cuda.is_available():

@@ -2,7 +2,7 @@
 
 Each entry builds ``(model, example_kwargs, output_key)`` in eval mode: small enough that the zoo
 runs in CI in seconds per model, shaped like the real thing (GQA heads, Conv1D projections, conv
-front-ends, BatchNorm CNNs). Shared by ``tests/test_zoo.py`` and ``bench/zoo.py``.
+front-ends, BatchNorm CNNs). Shared by ``tests/test_zoo.py`` and ``bench/models/zoo.py``.
 """
 
 from __future__ import annotations
@@ -168,6 +168,57 @@ def wav2vec2():
     return Wav2Vec2Model(config), make, "last_hidden_state"
 
 
+def _seq2seq_tokens(batch: int = 2, seq: int = 12, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(3, VOCAB, (batch, seq), generator=g),
+            "decoder_input_ids": torch.randint(3, VOCAB, (batch, 5), generator=g)}
+
+
+# Special tokens of the encoder-decoders: 0 pad / decoder start, 1 bos, 2 eos (generate's).
+_SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
+
+
+def t5():
+    """T5 with its decoder (relative position bias, an ``EncoderDecoderCache`` while decoding)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, vocab_size=VOCAB, **_SPECIAL)
+    return T5ForConditionalGeneration(config), _seq2seq_tokens, "logits"
+
+
+def bart():
+    """BART (Marian's architecture, learned positions, a tied LM head)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                        vocab_size=VOCAB, max_position_embeddings=64, **_SPECIAL)
+    return BartForConditionalGeneration(config), _seq2seq_tokens, "logits"
+
+
+def whisper():
+    """Whisper with its decoder: conv front end on log-mel features, cross-attention."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                           max_source_positions=32, max_target_positions=64, vocab_size=VOCAB,
+                           **{**_SPECIAL, "decoder_start_token_id": 1})
+
+    def make(batch: int = 2, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_features": torch.randn(batch, 16, 64, generator=g),
+                "decoder_input_ids": torch.randint(3, VOCAB, (batch, 5), generator=g)}
+
+    return WhisperForConditionalGeneration(config), make, "logits"
+
+
+# Encoder-decoders with their decoders: ``run_seq2seq`` (generate, save_pretrained) judges them.
+SEQ2SEQ = {"t5": t5, "bart": bart, "whisper": whisper}
+
+
 ZOO = {
     "gpt2": gpt2,
     "llama": llama,
@@ -189,7 +240,7 @@ CNNS = {"convnext", "resnet", "mobilenet_v2"}
 def build(name: str, seed: int = 0):
     """``(model, make_inputs, output_key)`` for zoo entry ``name``, random weights, eval mode."""
     torch.manual_seed(seed)
-    model, make_inputs, key = ZOO[name]()
+    model, make_inputs, key = {**ZOO, **SEQ2SEQ}[name]()
     # Random-weight CNNs: BatchNorm's default statistics let activations shrink to ~1e-22
     # through MobileNetV2; statistics estimated on random data keep them O(1).
     seeds = iter(range(100, 102))
@@ -343,4 +394,44 @@ def run(
         "min_layer_sqnr_db": min(sqnr.values()) if sqnr else None,
         "reloaded_equal": reloaded,
         "seconds": time.perf_counter() - start,
+    }
+
+
+@torch.no_grad()
+def run_seq2seq(name: str, config, save_dir: str, calib_batches: int = 4,
+                new_tokens: int = 4) -> dict:
+    """An encoder-decoder of ``SEQ2SEQ`` through prepare → calibrate → convert (graph and
+    model) → ``generate()`` → ``save_pretrained`` / ``from_pretrained``; a row of results."""
+    import transformers
+
+    import qfuse
+
+    model, make_inputs, key = build(name)
+    inputs = make_inputs()
+    ref = model(**inputs)[key]
+    prepared = qfuse.prepare(model, config, (), example_kwargs=inputs)
+    for i in range(calib_batches):
+        prepared(**make_inputs(batch=4, seed=1 + i))
+    keep = lm_head_float(model, prepared)
+    graph = qfuse.convert(prepared, keep_float=keep)
+    swapped = qfuse.convert(prepared, output="model", keep_float=keep)
+    rel = lambda out: float((out - ref).norm() / ref.norm())  # noqa: E731
+    source = inputs.get("input_ids", inputs.get("input_features"))
+    generate = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+                "num_beams": 1}
+    tokens = swapped.generate(source, **generate)
+    swapped.save_pretrained(save_dir)
+    loaded = getattr(transformers, type(model).__name__).from_pretrained(save_dir)
+    rows = qfuse.summary(graph).rows
+    return {
+        "model": name,
+        "rel_err_graph": rel(graph(**inputs)[key]),
+        "rel_err_model": rel(swapped(**inputs)[key]),
+        "quantized": sum(r["precision"] != "float" for r in rows),
+        "gemms": len(rows),
+        "tokens": tokens.tolist(),  # Whisper's leave the decoder's start token out
+        "float_tokens": model.generate(source, **generate).tolist(),
+        "reloaded_class": type(loaded).__name__,
+        "reloaded_tokens_equal": torch.equal(loaded.generate(source, **generate), tokens),
+        "reloaded_logits_equal": torch.equal(loaded(**inputs)[key], swapped(**inputs)[key]),
     }

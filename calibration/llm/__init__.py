@@ -82,7 +82,7 @@ def heldout_windows(limit: int | None = None) -> torch.Tensor:
 
 def calibration_windows(limit: int | None = None) -> torch.Tensor:
     """The first ``N_CALIBRATION`` windows of the calibration text (or the first ``limit``)."""
-    return windows(_ids("qfuse.calibration.txt"))[: min(limit or N_CALIBRATION, N_CALIBRATION)]
+    return windows(_ids("calibration.txt"))[: min(limit or N_CALIBRATION, N_CALIBRATION)]
 
 
 def validation_windows(limit: int | None = None) -> torch.Tensor:
@@ -95,7 +95,7 @@ def validation_windows(limit: int | None = None) -> torch.Tensor:
         (32, True)
     """
     stop = N_CALIBRATION + min(limit or N_VALIDATION, N_VALIDATION)
-    return windows(_ids("qfuse.calibration.txt"))[N_CALIBRATION:stop]
+    return windows(_ids("calibration.txt"))[N_CALIBRATION:stop]
 
 
 def prompts(held: torch.Tensor, n: int) -> torch.Tensor:
@@ -110,7 +110,7 @@ def prompts(held: torch.Tensor, n: int) -> torch.Tensor:
 
 def training_windows() -> torch.Tensor:
     """Calibration-text windows after the validation ones (QAT's fine-tuning text)."""
-    return windows(_ids("qfuse.calibration.txt"))[N_CALIBRATION + N_VALIDATION :]
+    return windows(_ids("calibration.txt"))[N_CALIBRATION + N_VALIDATION :]
 
 
 def logits_of(out) -> torch.Tensor:

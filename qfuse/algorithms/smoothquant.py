@@ -13,8 +13,16 @@ Where ``x / s`` is applied:
   weights' joint column max, as the paper does; convert writes the folded weight
   (``LayerPlan.write_norm_weights``) and the norm fusion then still applies;
 - anything else (a LayerNorm, whose output in post-LN BERT also feeds the residual add, so the
-  LayerNorm itself must not change): the fused kernel's prologue quantizes with a per-input-
-  channel vector ``(1/s_j) * (1/scale)`` instead of one scalar — the same multiply, no extra pass.
+  LayerNorm itself must not change; a SwiGLU product feeding ``down_proj``): the fused kernel's
+  prologue quantizes with a per-input-channel vector ``(1/s_j) * (1/scale)`` instead of one
+  scalar — the same multiply, no extra pass.
+
+``search=True`` picks, per input (a group of layers reading one value: Q/K/V, gate/up), the
+migration strength from ``ALPHAS`` (or none) and, for static activations, the clip of the
+per-tensor range from ``CLIPS``, by the layers' output error on a sample of calibration rows
+(``search``), as the SmoothQuant and AWQ authors tune per model and per layer. A real LLM needs
+it: SmolLM2's ``down_proj`` inputs carry attention-sink tokens hundreds of times larger than
+the rest, which one min/max range per tensor cannot serve at any global alpha.
 """
 
 from __future__ import annotations
@@ -35,10 +43,20 @@ aten = torch.ops.aten
 class SmoothQuant:
     """``alpha``: migration strength (0: none, 1: all to weights; 0.5 is the paper's default).
     ``layers``: globs of Linear layer names to smooth; ``None`` smooths Linear layers fed by a
-    LayerNorm, an RMSNorm or directly by another Linear (the cases the paper targets)."""
+    LayerNorm, an RMSNorm or directly by another Linear (the cases the paper targets), and with
+    ``search`` every Linear. ``search``: per input, the alpha (``ALPHAS``, or no smoothing) and
+    the static activation clip (``CLIPS``) with the least output error on calibration rows;
+    ``alpha`` is then unused.
+
+    Example:
+        >>> import qfuse
+        >>> qfuse.SmoothQuant(search=True).search, qfuse.SmoothQuant(0.8).alpha
+        (True, 0.8)
+    """
 
     alpha: float = 0.5
     layers: tuple[str, ...] | None = None
+    search: bool = False
 
     def __post_init__(self) -> None:
         from qfuse.errors import UnsupportedError
@@ -47,6 +65,8 @@ class SmoothQuant:
             raise UnsupportedError(f"SmoothQuant alpha={self.alpha!r} must lie in [0, 1].")
         if isinstance(self.layers, str):
             raise UnsupportedError("SmoothQuant layers takes a tuple of globs, not one string.")
+        if not isinstance(self.search, bool):
+            raise UnsupportedError(f"SmoothQuant search={self.search!r}: pass True or False.")
 
 
 def _source(node: fx.Node) -> fx.Node:
@@ -78,7 +98,7 @@ def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[st
             continue
         src = _source(nodes[chain.input])
         norm = src.target == aten.layer_norm.default or match_rms_norm(src) is not None
-        if norm or src.name in linear_outputs:
+        if norm or src.name in linear_outputs or cfg.search:
             picked.append(chain.name)
     if not picked:
         raise UnsupportedError(
@@ -132,3 +152,94 @@ def factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> tor
 def smoothed_qparams(lo: torch.Tensor, hi: torch.Tensor, s: torch.Tensor, symmetric: bool):
     """Per-tensor qparams of ``x / s`` from the per-channel range [lo_j, hi_j] of ``x``."""
     return choose_qparams((lo / s).min(), (hi / s).max(), symmetric=symmetric)
+
+
+# The search's grid: migration strengths (None: no smoothing) and clips of the static range.
+ALPHAS = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CLIPS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.07)
+# Output channels the error is measured on (a fixed random subset): the ranking of candidates,
+# not the error itself, is what counts, and the search's cost is candidates x rows x outputs.
+SEARCH_OUTPUTS = 128
+
+
+def _fake_weight(w: torch.Tensor, dtype: torch.dtype, per_channel: bool) -> torch.Tensor:
+    from qfuse.primitives import weight_codes, weight_scale
+
+    scale = weight_scale(w, dtype, per_channel)
+    return weight_codes(w, torch.reciprocal(scale)[:, None], dtype) * scale[:, None]
+
+
+def _fake_input(x: torch.Tensor, dtype: torch.dtype, scale, zero_point) -> torch.Tensor:
+    """What the kernel computes with for input ``x`` at ``scale`` (a scalar, int8-convention
+    ``amax / 127.5``; or a column of per-row scales for dynamic) and ``zero_point``."""
+    from qfuse.primitives import FP8_E4M3_MAX, fake_quantize
+
+    if dtype == torch.float8_e4m3fn:
+        s8 = scale * (127.5 / FP8_E4M3_MAX)
+        v = torch.clamp(x / s8, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return v.to(torch.float8_e4m3fn).float() * s8
+    if torch.is_tensor(scale) and scale.dim() == 2:
+        return torch.clamp(torch.round(x / scale), -128, 127) * scale
+    return fake_quantize(x, scale, zero_point)
+
+
+@torch.no_grad()
+def search(
+    rows: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    static: bool,
+    symmetric: bool,
+    per_channel: bool,
+    smooth: bool,
+) -> tuple[float | None, float]:
+    """(alpha, clip) for one input read by layers whose weights, stacked, are ``weight``
+    [N, K]: the candidate with the least error of ``Q(x / s) Q(W s)^T`` against ``x W^T`` over
+    ``rows`` (a sample of calibration inputs [n, K]; ``lo``, ``hi``: every calibration row's
+    per-channel range): the summed squared error. Not relative per row: the attention-sink rows'
+    large outputs carry what the model relies on (on SmolLM2 a per-row relative error picks
+    clips that cut the sinks, +150% perplexity, where the plain error gives +5%). ``smooth``
+    False: only s = 1 (the input cannot take a factor). Dynamic (``static`` False): per-row
+    scales, no clip.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.randn(256, 64, generator=g); x[:, 3] *= 60  # one outlier channel
+        >>> w = torch.randn(32, 64, generator=g)
+        >>> alpha, clip = search(x, x.amin(0), x.amax(0), w, torch.int8, static=True,
+        ...                      symmetric=True, per_channel=True, smooth=True)
+        >>> alpha is not None  # the outlier channel moves into the weights
+        True
+    """
+    from qfuse.primitives import choose_qparams
+
+    rows = rows.float()
+    weight = full = weight.detach().float()
+    if weight.shape[0] > SEARCH_OUTPUTS:  # the per-row error, estimated on a column subset
+        pick = torch.randperm(weight.shape[0], generator=torch.Generator().manual_seed(0))
+        weight = weight[pick[:SEARCH_OUTPUTS].sort().values]
+    want = rows @ weight.T
+    absmax = torch.maximum(lo.abs(), hi.abs()).float()
+    best = (float("inf"), None, 1.0)
+    for alpha in ALPHAS if smooth else (None,):
+        s = None if alpha is None else factors(absmax, full, alpha)
+        xs = rows if s is None else rows / s
+        ws = weight if s is None else weight * s
+        wq = _fake_weight(ws, dtype, per_channel)
+        los, his = (lo, hi) if s is None else (lo / s, hi / s)
+        for clip in CLIPS if static else (1.0,):
+            if static:
+                scale, zp = choose_qparams(los.min() * clip, his.max() * clip,
+                                           symmetric=symmetric or dtype == torch.float8_e4m3fn)
+            else:
+                scale = (xs.abs().amax(1, keepdim=True) / 127.5).clamp(min=1e-12)
+                zp = 0
+            got = _fake_input(xs, dtype, scale, zp) @ wq.T
+            err = (got - want).pow(2).sum().item()
+            if err < best[0]:
+                best = (err, alpha, clip)
+    return best[1], best[2]

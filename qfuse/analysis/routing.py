@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from qfuse.analysis.table import text_table
 from qfuse.errors import QFuseError
 from qfuse.fileio import atomic_write_text, cache_dir
 from qfuse.fusion.graph_utils import attr_tensor
@@ -31,15 +32,14 @@ DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Sustained rates and eager host costs, measured on an H200.
+    """Sustained rates and eager host costs of one GPU (the defaults: an H200's, measured).
 
-    Rates from ANCHORS.md (cuBLAS bf16 694 TFLOP/s, Triton int8 1096 TOPS, cuBLAS fp8 1272
-    TFLOP/s); bandwidth 3.0 TB/s, what weight-streaming GEMMs reach (bf16 M=16 x 4096 x 14336:
-    117 MB in 41 us), below the 4.2 TB/s of a copy. ``host_us``: the per-call floor of eager
-    launches, below which a layer cannot run however small: the smallest times measured eagerly
-    with do_bench (``bench/results/route_costs_h200.json``: bf16 ~7 us; a fused layer ~30 us,
-    and ~64 us from M=128 on, where the tuned configs quantize the input in a separate pass
-    before the GEMM, two launches).
+    Rates: the sustained throughput of cuBLAS bf16, qfuse's Triton int8 and cuBLAS fp8 GEMMs.
+    ``hbm_tbps``: what weight-streaming GEMMs reach, below the bandwidth of a plain copy.
+    ``host_us``: the per-call floor of eager launches, below which a layer cannot run however
+    small (the smallest eager times of each implementation); from ``separate_quant_from_m``
+    tokens on, the tuned configs quantize the input in a separate pass before the GEMM, so a
+    fused layer pays two launches.
     """
 
     name: str = "NVIDIA H200"
@@ -201,15 +201,18 @@ class RoutePlan:
         return dict(keep_float=self.keep_float, layer_dtypes=self.layer_dtypes, notes=notes)
 
     def __str__(self) -> str:
-        lines = [f"route at M={self.tokens} tokens"]
+        impls = list(dict.fromkeys(i for p in self.predictions.values() for i in p))
+        rows = []
         for name, impl in self.choices.items():
-            times = "  ".join(
-                f"{i} {us:8.1f} us{'*' if src == 'measured' else ' '}"
+            times = {
+                i: f"{us:.1f}{'*' if src == 'measured' else ' '}"
                 for i, (us, src) in self.predictions[name].items()
-            )
-            lines.append(f"  {name:<40} {impl:<5} {times}")
-        lines.append("  (* measured on this GPU; the rest analytic)")
-        return "\n".join(lines)
+            }
+            rows.append([name, impl, *(times.get(i, "") for i in impls)])
+        header = ["layer", "route", *(f"{i} us" for i in impls)]
+        table = text_table(header, rows, right=range(2, len(header)))
+        note = "(* measured on this GPU; the rest analytic)"
+        return f"route at M={self.tokens} tokens\n{table}\n{note}"
 
 
 def _supported(impls: tuple[str, ...]) -> tuple[str, ...]:

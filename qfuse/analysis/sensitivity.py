@@ -16,6 +16,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from qfuse.analysis.table import text_table
 from qfuse.config import QConfig
 from qfuse.errors import QFuseError
 from qfuse.fileio import atomic_savefig
@@ -85,17 +86,15 @@ class SensitivityReport:
         return [asdict(r) for r in self.rows]
 
     def __str__(self) -> str:
-        head = f"{'layer':<44}{'pattern':<20}{'SQNR dB':>9}{'metric':>10}{'drop':>10}"
         fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
-        lines = [head, "-" * len(head)]
-        for r in self.ranked():
-            lines.append(
-                f"{r.name:<44}{r.pattern:<20}{fmt(r.sqnr_db, '9.2f'):>9}"
-                f"{fmt(r.metric, '10.5f'):>10}{fmt(r.drop, '10.5f'):>10}"
-            )
+        rows = [
+            [r.name, r.pattern, fmt(r.sqnr_db, ".2f"), fmt(r.metric, ".5f"), fmt(r.drop, ".5f")]
+            for r in self.ranked()
+        ]
+        text = text_table(["layer", "pattern", "SQNR dB", "metric", "drop"], rows, right={2, 3, 4})
         if self.baseline is not None:
-            lines.append(f"float baseline metric: {self.baseline:.5f}")
-        return "\n".join(lines)
+            text += f"\nfloat baseline metric: {self.baseline:.5f}"
+        return text
 
     def plot(self, path: str) -> str:
         """Bar chart of per-layer sensitivity (PNG), written atomically; returns ``path``."""

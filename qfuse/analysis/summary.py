@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from qfuse.analysis.table import text_table
 from qfuse.errors import QFuseError
 from qfuse.ops.backend import resolve_backend
 from qfuse.state import get_state
@@ -40,13 +41,7 @@ class Summary:
 
     def __str__(self) -> str:
         cols = [c for c in COLUMNS if any(_fmt(r.get(c)) for r in self.rows)]
-        table = [[_fmt(r.get(c)) for c in cols] for r in self.rows]
-        widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
-        line = lambda cells: "  ".join(
-            c.ljust(w) for c, w in zip(cells, widths, strict=False)
-        ).rstrip()  # noqa: E731
-        out = [line(cols), line(["-" * w for w in widths])] + [line(r) for r in table]
-        return "\n".join(out)
+        return text_table(cols, [[_fmt(r.get(c)) for c in cols] for r in self.rows])
 
     def __repr__(self) -> str:
         return str(self)

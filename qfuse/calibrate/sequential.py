@@ -164,10 +164,10 @@ def round_chains(prepared: fx.GraphModule, chains, group=None) -> int:
     dtype = state.config.dtype
     jobs = [c for c in chains if c.name in state.hessians and c.name not in state.smoothed]
     weights = [attr_tensor(prepared, c.weight).detach().float() for c in jobs]
-    # GPTQ's time follows K, its column loop, and hardly N (H200, bench/results/
-    # gptq_cost_h200.json: 4096x4096 and 14336x4096 both ~0.48 s, K = 14336 1.75 s). Weighing
-    # by K^2 N gave one of two ranks a 7B layer's gate, up and three more projections against
-    # down and one: 2 GPUs rounded 1.33x faster than one, not ~1.8x.
+    # GPTQ's time follows K, its column loop, and hardly N (a 4096x4096 and a 14336x4096 weight
+    # take about as long; K = 14336 several times longer). Weighing by K^2 N gave one of two
+    # ranks a 7B layer's gate, up and three more projections against down and one, and two
+    # GPUs rounded well short of twice as fast as one.
     costs = [float(w[0].numel()) for w in weights]
     owners = assign(costs, world_size(group))
     me = rank(group)

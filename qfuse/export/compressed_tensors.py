@@ -116,7 +116,7 @@ def _template(qmodel, state, float_model, graph: bool) -> nn.Module:
             )
         model = state.source.model
     else:
-        model = _meta_copy(qmodel)
+        model = _without_absent(_meta_copy(qmodel), qmodel)
     if getattr(model, "config", None) is None or not hasattr(model.config, "save_pretrained"):
         raise UnsupportedError(
             f"export_compressed_tensors writes a Hugging Face model folder, and "
@@ -134,6 +134,23 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return type(model)(config)
+
+
+def _without_absent(template: nn.Module, model: nn.Module) -> nn.Module:
+    """``template`` (built from ``model.config``) without the modules ``model`` lacks: a module
+    the config would build but the model was made without (``BertModel(config,
+    add_pooling_layer=False)`` has ``pooler = None``) is left out of the export, not asked for.
+    Only under a module ``model`` has unchanged (its own class there): a swapped module (a
+    ``QGatedMLP`` for the MLP) holds its float layers under other names."""
+    present = dict(model.named_modules())
+    for name, child in list(template.named_modules()):
+        parent, _, leaf = name.rpartition(".")
+        holder = present.get(parent)
+        if not name or holder is None or type(holder) is not type(template.get_submodule(parent)):
+            continue
+        if name not in present and child is not None:
+            setattr(template.get_submodule(parent), leaf, None)
+    return template
 
 
 def _float_tensors(qmodel, template, graph: bool, quantized: set[str]) -> dict:

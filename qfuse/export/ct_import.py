@@ -26,6 +26,7 @@ from qfuse.export.ct_layers import CTLinear, graph_slots, model_slots
 from qfuse.export.ct_scheme import Scheme, matches, read_groups
 from qfuse.flows.convert import convert
 from qfuse.flows.prepare import prepare
+from qfuse.fusion.graph_utils import find_submodule
 from qfuse.fusion.patterns import GATED
 from qfuse.fusion.siblings import merged_path
 from qfuse.primitives import FP8_E4M3_MAX
@@ -194,9 +195,8 @@ def _assign(model, groups, ignore, tensors, path) -> dict[str, Scheme]:
     scaled = {k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     if scaled - set(schemes):
         odd = sorted(scaled - set(schemes))[:8]
-        kinds = {
-            type(model.get_submodule(n)).__name__ if _has(model, n) else "missing" for n in odd
-        }
+        found = [find_submodule(model, n) for n in odd]
+        kinds = {"missing" if m is None else type(m).__name__ for m in found}
         raise UnsupportedError(
             f"{path} holds quantized weights for {odd} ({', '.join(sorted(kinds))}), which its "
             "quantization_config does not target (ignored, unmatched, or not nn.Linear layers: "
@@ -208,14 +208,6 @@ def _assign(model, groups, ignore, tensors, path) -> dict[str, Scheme]:
             "the file holds no weight_scale for them: the checkpoint is incomplete."
         )
     return schemes
-
-
-def _has(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
 
 
 def _file_linear(name, scheme: Scheme, tensors, model, path) -> CTLinear:

@@ -30,7 +30,7 @@ import zlib
 import torch
 
 from qfuse.config import QConfig
-from qfuse.errors import FormatError, QFuseError
+from qfuse.errors import FormatError, QFuseError, check_version
 from qfuse.fusion.patterns import Skipped
 from qfuse.nn.base import QuantizedModule
 from qfuse.pipeline import PipelineOptions
@@ -103,15 +103,10 @@ def decode(raw: dict[str, str] | None, path: str) -> dict:
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{path}: the metadata does not describe a qfuse file; re-save it.")
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version < 1:
-        raise FormatError(f"{path}: format_version {version!r} is not a valid version; re-save it.")
-    if version > FORMAT_VERSION:
-        raise FormatError(
-            f"{path} has qfuse format version {version} (written by qfuse "
-            f"{meta.get('qfuse_version', '?')}), newer than this qfuse reads ({FORMAT_VERSION}). "
-            "Upgrade qfuse to load it."
-        )
+    by = f" (written by qfuse {meta.get('qfuse_version', '?')})"
+    check_version(
+        meta.get("format_version"), FORMAT_VERSION, f"{path}: format_version", FormatError, by
+    )
     missing = [k for k in ("config", "chains", "layers", "checksums") if k not in meta]
     if missing:
         raise FormatError(

@@ -50,6 +50,7 @@ from qfuse.fusion.patterns import Chain
 from qfuse.fusion.rewrite import module_paths
 from qfuse.pipeline import CAPTURE, FUSED, PipelineOptions, mismatches, run_capture, run_fused
 from qfuse.pipeline.capture import capture
+from qfuse.pipeline.pickling import make_picklable
 from qfuse.state import QFuseState, set_state
 
 
@@ -152,7 +153,7 @@ def load(
     state.merged, state.pipeline = captured.merged, options
     state.passes = {**captured.records, **fused.records}
     set_state(gm, state)
-    return gm
+    return make_picklable(gm)
 
 
 def _legacy_replay(meta: dict) -> dict[str, list]:
@@ -195,13 +196,10 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
             "Re-save the model with qfuse.save."
         ) from None
     expected = meta["checksums"]
-    missing = sorted(set(expected) - set(tensors))
-    unknown = sorted(set(tensors) - set(expected))
-    if missing or unknown:
+    if diff := _differ(sorted(expected), sorted(tensors), "missing", "not listed"):
         raise FormatError(
-            f"{path} does not hold the tensors its metadata lists "
-            f"(missing: {_names(missing)}; not listed: {_names(unknown)}); the file was modified "
-            "after qfuse.save wrote it. Re-save it."
+            f"{path} does not hold the tensors its metadata lists ({diff}); the file was "
+            "modified after qfuse.save wrote it. Re-save it."
         )
     for name, tensor in tensors.items():
         if checksum(tensor) != expected[name]:
@@ -216,6 +214,17 @@ def _names(names: list[str], limit: int = 8) -> str:
         return "none"
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+def _differ(left: list[str], right: list[str], left_only: str, right_only: str) -> str:
+    """The names only one side holds, each in its list's order (``"<left_only>: a, b;
+    <right_only>: none"``), or the empty string when both hold the same names."""
+    in_left, in_right = set(left), set(right)
+    only_left = [n for n in left if n not in in_right]
+    only_right = [n for n in right if n not in in_left]
+    if not (only_left or only_right):
+        return ""
+    return f"{left_only}: {_names(only_left)}; {right_only}: {_names(only_right)}"
 
 
 # Recapture -------------------------------------------------------------------------------------
@@ -253,14 +262,16 @@ def _capture_on(float_model, example_inputs, example_kwargs, dynamic_shapes, tar
 def _match_layers(meta: dict, chains: list[Chain], paths: dict, path: str) -> dict[str, Chain]:
     """The recaptured chain at each saved layer path; ``FormatError`` naming any mismatch."""
     found = [paths[c.name] for c in chains]
-    missing = [p for p in meta["chains"] if p not in set(found)]
-    extra = [p for p in found if p not in set(meta["chains"])]
-    if missing or extra:
+    if diff := _differ(
+        meta["chains"],
+        found,
+        "layers in the file but not in the model",
+        "fusible layers in the model but not in the file",
+    ):
         raise FormatError(
-            f"the float model does not match {path}: layers in the file but not in the model: "
-            f"{_names(missing)}; fusible layers in the model but not in the file: "
-            f"{_names(extra)}. Pass the float architecture the file was saved from (same module "
-            "names), with example inputs like those given to qfuse.prepare."
+            f"the float model does not match {path}: {diff}. Pass the float architecture the "
+            "file was saved from (same module names), with example inputs like those given to "
+            "qfuse.prepare."
         )
     by_path = {paths[c.name]: c for c in chains}
     for entry in meta["layers"]:
@@ -333,12 +344,15 @@ def _load_float_tensors(gm, meta, tensors, fused_names, target, path) -> None:
     aliases = meta["aliases"]
     current = {n: t for n, t in graph_tensors(gm).items() if n not in fused_names}
     saved = {n for n in [*tensors, *aliases] if n not in fused_names}
-    missing, extra = sorted(set(current) - saved), sorted(saved - set(current))
-    if missing or extra:
+    if diff := _differ(
+        sorted(current),
+        sorted(saved),
+        "tensors in the model but not in the file",
+        "tensors in the file but not in the model",
+    ):
         raise FormatError(
-            f"the float model does not match {path}: tensors in the model but not in the file: "
-            f"{_names(missing)}; tensors in the file but not in the model: {_names(extra)}. "
-            "Pass the float architecture the file was saved from."
+            f"the float model does not match {path}: {diff}. Pass the float architecture the "
+            "file was saved from."
         )
     for name, mine in current.items():
         theirs = tensors[aliases.get(name, name)]

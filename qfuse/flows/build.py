@@ -27,7 +27,8 @@ def build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, o
     if fp8:
         # Observers give the symmetric int8 scale amax / 127.5; fp8 e4m3 spans amax / 448.
         to_fp8 = 127.5 / 448.0
-        scale, out_scale = scale * to_fp8, out_scale * to_fp8 if out_scale is not None else None
+        scale = scale * to_fp8 if scale is not None else None  # None: dynamic, uncalibrated
+        out_scale = out_scale * to_fp8 if out_scale is not None else None
         res_scale, res_zp = (res_scale * to_fp8 if res_scale is not None else None), None
         prologue = prologue / to_fp8 if prologue is not None else None
         out_dtype = torch.float8_e4m3fn if out_dtype == torch.int8 else out_dtype

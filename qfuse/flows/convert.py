@@ -25,6 +25,7 @@ from qfuse.fusion.nonfinite import float_inputs_used
 from qfuse.fusion.patterns import Chain, Skipped
 from qfuse.fusion.rewrite import module_paths, remove_observers
 from qfuse.pipeline import PipelineOptions, run_fused
+from qfuse.pipeline.pickling import make_picklable
 from qfuse.state import QFuseState, get_state, set_state
 
 
@@ -64,6 +65,8 @@ def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
         return [], []
     if any(plan.dtypes[r.name] != plan.dtypes[chain.name] for r in readers + res_readers):
         return [], []  # an int8 layer cannot hand fp8 to an fp8 one (or the reverse)
+    if any(plan.x_qparams[r.name][0] is None for r in readers):
+        return [], []  # dynamic layers without calibration: no static scale to hand over with
     scales = {(float(plan.x_qparams[r.name][0]), int(plan.x_qparams[r.name][1])) for r in readers}
     return (readers, res_readers) if len(scales) == 1 else ([], [])
 
@@ -156,7 +159,8 @@ def convert(
     }
     plan = LayerPlan(gm, state, chains, observers, dtypes, hessians, fold_norms=True)
     plan.write_norm_weights(gm)  # SmoothQuant's factors folded into RMSNorm weights
-    remove_observers(gm, set(state.hessians.values()))  # anchors read their observers again
+    # anchors read their observers again
+    remove_observers(gm, set(state.hessians.values()) | set(state.samples.values()))
 
     readers_of: dict[str, list[Chain]] = {}
     residual_of: dict[str, list[Chain]] = {}
@@ -187,9 +191,7 @@ def convert(
         )
         layer_notes = []
         if chain.name in state.smoothed:
-            where = "prologue" if chain.name in plan.prologue else "folded into " + (
-                plan.folded_into.get(chain.name, "producer"))
-            layer_notes.append(f"SmoothQuant alpha={state.smoothquant.alpha} ({where})")
+            layer_notes.append(plan.smoothquant_note(chain.name, state.smoothquant))
         if chain.name in state.hessians:
             layer_notes.append(state.gptq.describe())
         if chain.name in notes:
@@ -233,8 +235,9 @@ def convert(
     state.skipped = kept + list(state.skipped)
     state.pipeline, state.passes = options, {**state.passes, **fused.records}
     state.stage, state.layers, state.observers, state.hessians = "converted", layers, {}, {}
+    state.samples = {}
     set_state(gm, state)
-    return gm
+    return make_picklable(gm)  # torch.save / pickle of the whole module (pipeline.pickling)
 
 
 def _options(state, **given) -> PipelineOptions:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from qfuse.algorithms.gptq import round_layer
-from qfuse.algorithms.smoothquant import factors, foldable_norm, smoothed_qparams
+from qfuse.algorithms.smoothquant import factors, foldable_norm, search, smoothed_qparams
 from qfuse.config import PerChannel
-from qfuse.errors import QFuseError
+from qfuse.errors import CalibrationError, QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
 from qfuse.primitives import choose_qparams, inverse, weight_scale
@@ -54,17 +54,41 @@ class LayerPlan:
         self.biases = {k: (b.float() if b is not None else None) for k, b in self.biases.items()}
         # chain input node -> its observer module (SmoothQuant reads their per-channel ranges)
         self.observers = {src: gm.get_submodule(name) for src, name in observers.items()}
-        self.x_qparams = {
-            c.name: _per_tensor_qparams(self.observers[c.input], self.symmetric_input(c))
-            for c in chains
-        }
+        # chain input node -> its InputSamples (SmoothQuant's search measures candidates on them)
+        self.samples = {src: gm.get_submodule(name) for src, name in state.samples.items()}
+        self.x_qparams = {c.name: self._input_qparams(c, state.config) for c in chains}
         self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
         self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
         self.folded_into = {}  # chain name -> where SmoothQuant folded x / s ("producer", ...)
         self.norm_weights = {}  # get_attr target of an RMSNorm weight -> its folded value w / s
         self.weight_scales = {}  # chain name -> the scale the weight was rounded against
+        self.searched = {}  # chain name -> (alpha, clip) SmoothQuant's search chose
         for transform in transforms(state, hessians):
             transform.apply(self)
+
+    def _input_qparams(self, chain: Chain, config) -> tuple:
+        """The chain's static input (scale, zero point) from its observer; ``(None, None)`` for
+        a dynamic config whose observer saw no data: per-token scales are computed at run time,
+        so ``int8_dynamic()`` converts without calibration (what needs data, SmoothQuant's
+        ranges and GPTQ's Hessians, says so when it reads them)."""
+        observer = self.observers[chain.input]
+        if config.is_dynamic and not int(observer.num_batches):
+            return None, None
+        return _per_tensor_qparams(observer, self.symmetric_input(chain))
+
+    def smoothquant_note(self, name: str, smoothquant) -> str:
+        """What SmoothQuant did to layer ``name``, for ``summary``."""
+        if name in self.searched:
+            alpha, clip = self.searched[name]
+            what = "not smoothed" if alpha is None else f"alpha={alpha}"
+            where = "" if alpha is None else f", {self.where_smoothed(name)}"
+            return f"SmoothQuant search: {what}, activation clip {clip:g}{where}"
+        return f"SmoothQuant alpha={smoothquant.alpha} ({self.where_smoothed(name)})"
+
+    def where_smoothed(self, name: str) -> str:
+        if name in self.prologue and name in self.smoothing:
+            return "prologue"
+        return "folded into " + self.folded_into.get(name, "producer")
 
     def symmetric_input(self, chain: Chain) -> bool:
         """Whether the chain's input is quantized symmetrically (its observer's scheme; fp8)."""
@@ -102,8 +126,9 @@ class SmoothQuantTransform:
     into an RMSNorm that only smoothed layers read (one ``s`` for all of them, ``fold_norms``),
     otherwise applied in the layer's prologue."""
 
-    def __init__(self, smoothquant, smoothed: list[str], chains: list[Chain] = ()) -> None:
-        self.smoothquant, self.smoothed = smoothquant, smoothed
+    def __init__(self, smoothquant, smoothed: list[str], chains: list[Chain] = (),
+                 config=None) -> None:
+        self.smoothquant, self.smoothed, self.config = smoothquant, smoothed, config
         # Every chain of the prepared model: a norm is folded into only when all its readers
         # are smoothed layers of this plan (none kept float or left unswapped).
         self.chains = list(chains)
@@ -131,15 +156,39 @@ class SmoothQuantTransform:
         for c in plan.chains:
             readers.setdefault(c.input, []).append(c)
         norms = self._norms(plan)
-        shared = {}  # norm-fed input -> the one s of all its readers
+        smoothed = set(self.smoothed)
+        shared = {}  # norm-fed (or searched) input -> the one (s, clip) of all its readers
         for name in self.smoothed:
             chain = by_name.get(name)
             if chain is None:  # kept float, or not swapped
                 continue
-            lo, hi = plan.observers[chain.input].value_range()
+            observer = plan.observers[chain.input]
+            if not int(observer.num_batches):
+                raise CalibrationError(
+                    f"{name}: no calibration data reached this layer, so SmoothQuant has no "
+                    "activation ranges to choose its factors from. Run calibration batches "
+                    "through the prepared model before qfuse.convert, or prepare without "
+                    "smoothquant= (a dynamic config then needs no calibration)."
+                )
+            lo, hi = observer.value_range()
             absmax = torch.maximum(lo.abs(), hi.abs())
             norm = norms.get(chain.input)
-            if norm is None:
+            producer = next((c for c in plan.chains if c.output == chain.input), None)
+            folds = producer is not None and len(producer.nodes) == 1 and len(
+                readers[chain.input]) == 1
+            clip = 1.0
+            if self.smoothquant.search:
+                if chain.input not in shared:
+                    group = [r for r in readers[chain.input] if r.name in smoothed]
+                    shared[chain.input] = self._search(plan, chain, group, lo, hi, absmax,
+                                                       smooth=norm is not None or folds)
+                s, clip, alpha = shared[chain.input]
+                plan.searched[name] = (alpha, clip)
+                if s is None:  # no smoothing: the clipped per-tensor range alone
+                    plan.x_qparams[name] = choose_qparams(
+                        lo.min() * clip, hi.max() * clip, symmetric=plan.symmetric_input(chain))
+                    continue
+            elif norm is None:
                 s = factors(absmax, plan.weights[name], self.smoothquant.alpha)
             else:
                 if chain.input not in shared:  # the readers' weights before any is smoothed
@@ -148,21 +197,40 @@ class SmoothQuantTransform:
                 s = shared[chain.input]
             plan.weights[name] = plan.weights[name] * s[None, :]
             plan.smoothing[name] = s
-            plan.x_qparams[name] = smoothed_qparams(lo, hi, s, plan.symmetric_input(chain))
-            producer = next((c for c in plan.chains if c.output == chain.input), None)
+            plan.x_qparams[name] = smoothed_qparams(lo * clip, hi * clip, s,
+                                                    plan.symmetric_input(chain))
             if norm is not None:
                 w = attr_tensor(plan.gm, norm.target).detach()
                 plan.norm_weights[norm.target] = (w.float() / s).to(w.dtype)
                 plan.folded_into[name] = "RMSNorm weight"
-            elif (
-                producer is not None and len(producer.nodes) == 1 and len(readers[chain.input]) == 1
-            ):
+            elif folds:
                 plan.weights[producer.name] = plan.weights[producer.name] / s[:, None]
                 if plan.biases[producer.name] is not None:
                     plan.biases[producer.name] = plan.biases[producer.name] / s
                 plan.folded_into[name] = "producer"
             else:
                 plan.prologue[name] = (inverse(s) * inverse(plan.x_qparams[name][0])).float()
+
+    def _search(self, plan: LayerPlan, chain: Chain, group: list[Chain], lo, hi, absmax,
+                smooth: bool):
+        """(s or None, clip, alpha) for the input ``group`` reads: ``search`` over the readers'
+        stacked weights, on the input's calibration sample. A dynamic config takes no clip, and
+        no factor where only the prologue could apply it (it needs a static scale)."""
+        samples = plan.samples.get(chain.input)
+        if samples is None:
+            raise QFuseError(f"layer {chain.name}: SmoothQuant(search=True) found no calibration "
+                             "sample of its input; prepare the model with this SmoothQuant.")
+        samples.check_calibrated()
+        static = not self.config.is_dynamic
+        joint = torch.cat([plan.weights[r.name] for r in group])
+        alpha, clip = search(
+            samples.rows, lo, hi, joint, plan.dtypes[chain.name], static=static,
+            symmetric=plan.symmetric_input(chain),
+            per_channel=isinstance(self.config.weight_granularity, PerChannel),
+            smooth=smooth or static,
+        )
+        s = factors(absmax, joint, alpha) if alpha is not None else None
+        return s, clip, alpha
 
 
 class GPTQTransform:
@@ -193,7 +261,8 @@ def transforms(state, hessians: dict) -> list:
     in ``hessians``: chain name -> InputHessian), then the state's own (QAT's learned scales)."""
     out = []
     if state.smoothquant is not None and state.smoothed:
-        out.append(SmoothQuantTransform(state.smoothquant, state.smoothed, state.chains))
+        out.append(SmoothQuantTransform(state.smoothquant, state.smoothed, state.chains,
+                                        state.config))
     if hessians:
         per_channel = isinstance(state.config.weight_granularity, PerChannel)
         out.append(GPTQTransform(state.gptq, hessians, per_channel))

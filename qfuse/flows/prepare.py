@@ -17,6 +17,7 @@ from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
 from qfuse.observers import make_observer
 from qfuse.observers.hessian import InputHessian
+from qfuse.observers.samples import InputSamples
 from qfuse.pipeline import PipelineOptions, resolve_options, run_capture
 from qfuse.pipeline.capture import capture
 from qfuse.state import QFuseState, set_state
@@ -76,6 +77,26 @@ def _insert_hessians(gm: fx.GraphModule, chains: list[Chain], gptq: GPTQ) -> dic
             anchor.args = (node, *anchor.args[1:])
             hessians[reader.name] = name
     return hessians
+
+
+def _insert_samples(gm: fx.GraphModule, chains: list[Chain], inputs: set[str]) -> dict[str, str]:
+    """An ``InputSamples`` between each of ``inputs``' observer and its readers (SmoothQuant's
+    search). Returns chain input -> module name."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    samples = {}
+    for inp in sorted(inputs):
+        readers = [c for c in chains if c.input == inp]
+        name = f"qfuse_samples_{inp}"
+        gm.add_submodule(
+            name, InputSamples(layer_name=f"{', '.join(r.name for r in readers)} (input)"))
+        observed = nodes[readers[0].anchor].args[0]  # the observer node every reader reads
+        with gm.graph.inserting_after(observed):
+            node = gm.graph.call_module(name, (observed,))
+        for reader in readers:
+            anchor = nodes[reader.anchor]
+            anchor.args = (node, *anchor.args[1:])
+        samples[inp] = name
+    return samples
 
 
 def config_for(name: str, config: QConfig, layer_configs: Mapping[str, QConfig] | None) -> QConfig:
@@ -195,13 +216,15 @@ def prepare_pipeline(
             if reader.input == chain.input:
                 anchor = nodes[reader.anchor]
                 anchor.args = (obs_node, *anchor.args[1:])
+    search = smoothquant is not None and smoothquant.search
+    samples = _insert_samples(gm, chains, smoothed_inputs) if search else {}
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
     folded = run.records.get("fold_batchnorm", [])
     state = QFuseState(config, "prepared", chains, skipped, observers, folded_batchnorms=folded)
     state.merged, state.pipeline, state.passes = run.merged, options, dict(run.records)
     state.smoothquant, state.smoothed = smoothquant, smoothed
-    state.gptq, state.hessians = gptq, hessians
+    state.gptq, state.hessians, state.samples = gptq, hessians, samples
     state.source = ModelRef(model)
     set_state(gm, state)
     return gm

@@ -19,14 +19,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable
 
 import torch
 from torch import fx, nn
 
 from qfuse.errors import QFuseError
 from qfuse.flows.build import build, record
+from qfuse.flows.hooks import AFTER_SWAP  # run on every model convert_model returns
 from qfuse.flows.plan import LayerPlan
+from qfuse.fusion.graph_utils import find_submodule
 from qfuse.fusion.patterns import ACTIVATION_NAMES, GATED, Chain, Skipped
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.gated_mlp import QGatedMLP
@@ -36,9 +37,6 @@ from qfuse.state import QFuseState, set_state
 
 _FOLDED_BIAS = "folded_bias"
 
-# Called with every model ``convert_model`` returns. The integrations (which sit above the flows)
-# register here: transformers' quantizer and decode graphs on a ``PreTrainedModel``.
-AFTER_SWAP: list[Callable[[nn.Module], None]] = []
 
 
 class _FloatFacing:
@@ -95,7 +93,7 @@ def _slot(model: nn.Module, chain: Chain, members: list[str] | None = None) -> s
     (sibling Linears prepare merged into one layer: split back, one module each), or the reason
     it cannot be swapped (starting with "not swapped")."""
     if members:
-        found = [model.get_submodule(m) if _has(model, m) else None for m in members]
+        found = [find_submodule(model, m) for m in members]
         if all(isinstance(m, nn.Linear) for m in found):
             return "merged"
         return "not swapped: a merged layer's member is not an nn.Linear of the model"
@@ -215,14 +213,6 @@ def _left_to_forward(chain: Chain, model_name: str) -> str:
         f"graph chain {chain.pattern}: the {' and '.join(parts)} run in {model_name}.forward "
         "(module swap); output='graph' fuses the whole chain"
     )
-
-
-def _has(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def _in_module(node: fx.Node, path: str) -> bool:
@@ -397,7 +387,7 @@ def convert_model(
             model.set_submodule(bn, nn.Identity())
             layer_notes.append(f"BatchNorm {bn} folded into the weights (module → Identity)")
         if chain.name in state.smoothed:
-            layer_notes.append(f"SmoothQuant alpha={state.smoothquant.alpha}")
+            layer_notes.append(plan.smoothquant_note(chain.name, state.smoothquant))
         if chain.name in plan.weight_scales:
             layer_notes.append(state.gptq.describe())
         if chain.name in notes:
@@ -407,6 +397,7 @@ def convert_model(
     _off_fast_path(model)
     result = copy.copy(state)
     result.stage, result.layers, result.observers, result.hessians = "converted", layers, {}, {}
+    result.samples = {}
     result.skipped = unswapped + list(state.skipped)
     result.source = None
     set_state(model, result)

@@ -2,12 +2,12 @@
 
 A graph captured by ``torch.export`` calls every op as an ``OpOverload``
 (``torch.ops.aten.view.default(x, shape)``), which parses its arguments against the schema on each
-call: 2-4 us of host time where ``x.view(shape)`` costs 1-1.5 (measured on the CI machine; the
-H200 machine's host is slower still). BERT-base's converted graph runs ~150 such view, reshape,
-transpose, slice and unsqueeze calls per forward, in plain eager all host time on a model that
-is launch-bound. ``tensor_methods`` rewrites them as the equivalent ``call_method`` nodes (slices
-as indexing), which compute the same views: nothing else in the graph changes, and
-``torch.compile``, ``torch.export`` and TorchScript tracing see the same ops again.
+call: about twice the host time of ``x.view(shape)``. A transformer's converted graph runs a view,
+reshape, transpose, slice or unsqueeze call for every few GEMMs (BERT-base: ~150 per forward), in
+plain eager all host time on a model that is launch-bound. ``tensor_methods`` rewrites them as
+the equivalent ``call_method`` nodes (slices as indexing), which compute the same views: nothing
+else in the graph changes, and ``torch.compile``, ``torch.export`` and TorchScript tracing see
+the same ops again.
 
 ``skip_full_masks`` routes every boolean attention mask through ``ops.attention.drop_full_mask``,
 which passes SDPA no mask in plain eager calls where nothing is masked, as transformers' own

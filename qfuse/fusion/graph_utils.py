@@ -1,9 +1,9 @@
-"""Small fx graph helpers shared by the graph passes."""
+"""Small fx graph and module-tree helpers shared by the graph passes, flows and exporters."""
 
 from __future__ import annotations
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 
 def erase_if_dead(gm: fx.GraphModule, nodes) -> None:
@@ -20,6 +20,20 @@ def erase_if_dead(gm: fx.GraphModule, nodes) -> None:
             if not attr.users:
                 drop_attr(gm, attr.target)
                 gm.graph.erase_node(attr)
+
+
+def find_submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at ``path`` (dotted, ``""``: ``model`` itself), or None where there is none.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> type(find_submodule(model, "0")).__name__, find_submodule(model, "1")
+        ('Linear', None)
+    """
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def attr_tensor(gm: fx.GraphModule, target: str) -> torch.Tensor:

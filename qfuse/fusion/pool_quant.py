@@ -2,9 +2,10 @@
 
 A ResNet stem (``conv -> bn -> relu -> maxpool``) ends in a max-pool that the chain matcher
 cannot take in (it is no activation or residual), so after ``fuse_chains`` the stem conv writes
-float, ATen pools in float (bf16 at batch 32: 113 us on the H200, half the stem's time), and the
-readers quantize again. Quantization is monotonic, so ``max(q(x)) == q(max(x))``: the conv can
-requantize with its readers' input scale and ``qfuse::max_pool2d`` pools the int8/fp8 values.
+float, ATen pools in float (a large share of the stem's time: the pool reads and writes the
+full-resolution float tensor), and the readers quantize again. Quantization is monotonic, so
+``max(q(x)) == q(max(x))``: the conv can requantize with its readers' input scale and
+``qfuse::max_pool2d`` pools the int8/fp8 values.
 ``fuse_maxpool_quant`` does that when every reader of the pool is a fused conv reading it as its
 input (one shared scale and dtype) or as its residual. Used by ``convert`` and by ``load``: a
 conv loaded with a quantized output before a max-pool gets the same graph back.

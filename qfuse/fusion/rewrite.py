@@ -5,16 +5,8 @@ from __future__ import annotations
 from torch import fx, nn
 
 from qfuse.errors import QFuseError
-from qfuse.fusion.graph_utils import erase_if_dead
+from qfuse.fusion.graph_utils import erase_if_dead, find_submodule
 from qfuse.fusion.patterns import Chain
-
-
-def _has_module(gm: fx.GraphModule, path: str) -> bool:
-    try:
-        gm.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def module_paths(chains: list[Chain]) -> dict[str, str]:
@@ -87,7 +79,7 @@ def _fuse_one(gm, chain: Chain, module: nn.Module, nodes: dict, path: str) -> No
     erase_if_dead(gm, [nodes[n] for n in reversed(chain.nodes)])
     # A later chain may name this output as its residual: point the name at the fused node.
     nodes[chain.output] = fused
-    if _has_module(gm, path):
+    if find_submodule(gm, path) is not None:
         gm.set_submodule(path, module)
     else:
         gm.add_submodule(path, module)

@@ -13,7 +13,7 @@ import importlib.util
 import sys
 import warnings
 
-from qfuse.flows.swap import AFTER_SWAP
+from qfuse.flows.hooks import AFTER_SWAP
 
 _REGISTRY = "transformers.quantizers.auto"
 

@@ -6,7 +6,7 @@ Each call of that compiled function first runs Dynamo's guards over every parame
 runtime wrapper and CUDA-graph trees' input checks in Python; at batch 1 the step is host-bound,
 and the host work grows with the graph's inputs. A quantized layer brings its scales beside its
 weight, so a converted model pays more host time per token for a shorter GPU step, and its
-kernels' gain does not reach ``generate()`` (README, sessions 12 and 13: the profiles).
+kernels' gain does not reach ``generate()`` (profiles of the decode step show the host work).
 
 ``DecodeGraphs`` stands in for that compiled call (``install``; transformers finds it where it
 caches its own, ``model._compiled_call``). It compiles the same forward with the same options

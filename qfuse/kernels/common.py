@@ -18,14 +18,21 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from qfuse import primitives
 from qfuse.errors import UnsupportedError
 
+# Whether Triton runs kernels in its interpreter (CPU tensors: tests, debugging). Read once, when
+# qfuse imports this module, as ``@triton.jit`` itself reads TRITON_INTERPRET when a kernel
+# module is imported: set it before importing qfuse. Every qfuse module asks this one.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Constants read inside @jit functions are tl.constexpr: compiled Triton (3.6 and later) refuses
+# plain globals there, the interpreter does not — the spine's first GPU run failed to compile on
+# exactly this. ``INTERPRETED_JIT`` is ``INTERPRETED`` for kernel code.
+INTERPRETED_JIT = tl.constexpr(INTERPRETED)
 # Adding and subtracting 1.5 * 2**23 rounds a float32 to an integer, ties to even, for |x| < 2**22.
-# A tl.constexpr: compiled Triton (3.6 and later) refuses plain globals inside @jit functions, the
-# interpreter does not — the spine's first GPU run failed to compile on exactly this.
 ROUND_MAGIC = tl.constexpr(12582912.0)
-FP8_E4M3_MAX = tl.constexpr(448.0)
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+FP8_E4M3_MAX = tl.constexpr(primitives.FP8_E4M3_MAX)
 
 @dataclass(frozen=True)
 class Activation:
@@ -64,6 +71,11 @@ EPILOGUE_ACTIVATIONS = {
 ACTIVATION_CODES = {name: a.code for name, a in EPILOGUE_ACTIVATIONS.items()}
 GATED_ACTIVATIONS = {name: a.gate for name, a in EPILOGUE_ACTIVATIONS.items() if a.gate}
 LIGHT_ACTIVATIONS = tuple(name for name, a in EPILOGUE_ACTIVATIONS.items() if a.light)
+# The gated activations are coded last, so kernels select them with ``ACT >= GATED_FROM``.
+GATED_FROM = tl.constexpr(min(ACTIVATION_CODES[name] for name in GATED_ACTIVATIONS))
+if any((code >= GATED_FROM.value) != (name in GATED_ACTIVATIONS)
+       for name, code in ACTIVATION_CODES.items()):
+    raise AssertionError("EPILOGUE_ACTIVATIONS: code the gated activations after the others")
 
 
 def out_features(rows: int, act: str) -> int:
@@ -95,7 +107,7 @@ def mul_rn(a, b):
     An explicitly rounded ``mul.rn.f32`` is never contracted. The interpreter computes in numpy,
     which never contracts.
     """
-    if INTERPRETED:
+    if INTERPRETED_JIT:
         return a * b
     else:
         out = tl.inline_asm_elementwise(
@@ -148,7 +160,7 @@ def quantize_int8(x, inv_scale, zero_point, HAS_ZP: tl.constexpr = True):
     rounded integer plus MAGIC (|v| <= 256), and ``MAGIC - zero_point`` is exact for an integer
     zero point, so one subtraction gives ``round(v) + zero_point``."""
     v = x * inv_scale
-    if INTERPRETED:
+    if INTERPRETED_JIT:
         v = tl.minimum(tl.maximum(v, -256.0), 256.0)
         v = (v + ROUND_MAGIC) - (ROUND_MAGIC - zero_point)
         v = tl.minimum(tl.maximum(v, -128.0), 127.0)
@@ -172,7 +184,7 @@ def quantize_fp8(x, inv_scale, EXACT: tl.constexpr):
     if EXACT:
         v = tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX)
         return fp8_from_grid(round_to_float_grid(v, 3, -6))
-    elif INTERPRETED:
+    elif INTERPRETED_JIT:
         return tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX).to(tl.float8e4nv)
     return v.to(tl.float8e4nv)
 
@@ -239,7 +251,7 @@ def gelu_erf(x):
 def rcp_approx(x):
     """1 / x by the special-function unit alone (``rcp.approx.ftz``, ~1 ulp; ``1.0 / x`` is
     ``div.full.f32``, which adds range checks and a multiply)."""
-    if INTERPRETED:
+    if INTERPRETED_JIT:
         return 1.0 / x
     else:
         return _asm_f32(x, "rcp.approx.ftz.f32")
@@ -249,7 +261,7 @@ def rcp_approx(x):
 def exp2_approx(x):
     """2 ** x by the special-function unit alone (``ex2.approx.ftz``, ~2 ulp; ``tl.exp`` adds
     a scaling of the argument and denormal handling around it)."""
-    if INTERPRETED:
+    if INTERPRETED_JIT:
         return tl.exp2(x)
     else:
         return _asm_f32(x, "ex2.approx.ftz.f32")
@@ -389,18 +401,72 @@ def dot_acc(a, b, acc, FP8_PROMOTE: tl.constexpr):
 
 
 @triton.jit
-def input_qparams(x_inv_scale_ptr, x_zp_ptr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr):
-    """A conv's input quantization: ``(inv_scale, zero point as float, zero point as int8)``;
-    1 and 0 where the input is already quantized or symmetric."""
+def input_qparams(x_inv_scale_ptr, x_zp_ptr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr,
+                  X_INV_VEC: tl.constexpr = False):
+    """An input's quantization: ``(inv_scale, zero point as float, zero point as int8)``; 1 and
+    0 where the input is already quantized or symmetric, and ``inv_scale`` 1 with ``X_INV_VEC``
+    (one inverse scale per input channel, loaded per tile by ``quantize_tile``)."""
     x_inv_scale = 1.0
     x_zp = 0.0
     x_zp_q = 0
-    if not X_QUANTIZED:
+    if not X_QUANTIZED and not X_INV_VEC:
         x_inv_scale = tl.load(x_inv_scale_ptr)
     if HAS_X_ZP:
         x_zp_q = tl.load(x_zp_ptr).to(tl.int8)
         x_zp = tl.load(x_zp_ptr).to(tl.float32)
     return x_inv_scale, x_zp, x_zp_q
+
+
+@triton.jit
+def quantize_tile(a, inv_ptrs, inv_mask, inv_scale, zero_point, FP8: tl.constexpr,
+                  INV_VEC: tl.constexpr, EXACT: tl.constexpr):
+    """A loaded float tile ``a`` quantized to fp8 or int8 (with ``zero_point``), the prologue of
+    every kernel that quantizes its input: by the scalar ``inv_scale``, or (``INV_VEC``: one per
+    input channel, SmoothQuant's prologue vector) by those at ``inv_ptrs`` (a row of the
+    tile's columns, ``inv_mask`` where they exist)."""
+    inv = inv_scale
+    if INV_VEC:
+        inv = tl.load(inv_ptrs, mask=inv_mask, other=0.0)[None, :]
+    if FP8:
+        return quantize_fp8(a.to(tl.float32), inv, EXACT)
+    else:
+        return quantize_int8(a.to(tl.float32), inv, zero_point)
+
+
+@triton.jit
+def load_quantized(ptrs, mask, x_inv_scale, x_zp, x_zp_q, FP8: tl.constexpr,
+                   X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, EXACT: tl.constexpr):
+    """An input tile as int8/fp8 (the conv kernels' A tiles): read as it is, or quantized when
+    float; masked (padding) entries are the quantized zero, the zero point."""
+    if X_QUANTIZED:
+        a = tl.load(ptrs, mask=mask, other=0.0)
+        if HAS_X_ZP:
+            a = tl.where(mask, a, x_zp_q)
+    else:  # quantize(0.0) is the zero point: padding needs no special case
+        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            a = quantize_fp8(a, x_inv_scale, EXACT)
+        else:
+            a = quantize_int8(a, x_inv_scale, x_zp, HAS_X_ZP)
+    return a
+
+
+@triton.jit
+def tile_offsets(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Output tile ``pid`` in grouped order (``tile_indices``): its row and column indices and
+    its row and column block."""
+    pid_m, pid_n = tile_indices(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m, pid_n
+
+
+@triton.jit
+def pixel_coords(offs_m, OH, OW):
+    """``(batch, oh, ow)`` of output pixels ``offs_m`` (row-major over [N, OH, OW])."""
+    ow = offs_m % OW
+    oh = (offs_m // OW) % OH
+    return (offs_m // OW) // OH, oh, ow
 
 
 # ---- the conv kernels' schedule (conv and depthwise) ----
@@ -429,12 +495,18 @@ class ConvConfig:
     fp8_promote: int = 0
 
     def __post_init__(self):
-        p = self.fp8_promote
-        if p and (p % 32 or not 32 <= p <= max(self.block_k, 32)):
-            raise UnsupportedError(
-                f"ConvConfig: fp8_promote={p}; use 0 (Triton's default) or a multiple of 32 "
-                f"(one fp8 wgmma's K) up to block_k={self.block_k}."
-            )
+        check_fp8_promote(self, max(self.block_k, 32))
+
+
+def check_fp8_promote(config, limit: int) -> None:
+    """A conv schedule's ``fp8_promote``: 0 or a multiple of 32 up to ``limit``."""
+    p = config.fp8_promote
+    if p and (p % 32 or not 32 <= p <= limit):
+        raise UnsupportedError(
+            f"{type(config).__name__}: fp8_promote={p}; use 0 (Triton's default) or a multiple "
+            f"of 32 (one fp8 wgmma's K) up to block_k={config.block_k} (see "
+            "ConvConfig.fp8_promote)."
+        )
 
 
 @triton.jit

@@ -11,13 +11,13 @@ interpreted kernels round narrow float outputs with integer ops (``round_to_floa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from qfuse.kernels.common import (
+    GATED_FROM,
+    INTERPRETED,
     activation,
     gated,
     mul_rn,
@@ -25,8 +25,6 @@ from qfuse.kernels.common import (
     quantize_int8,
     round_to_float_grid,
 )
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Output quantization codes (the kernels' OUT_Q constexpr).
 OUT_FLOAT, OUT_INT8, OUT_FP8 = 0, 1, 2
@@ -140,35 +138,18 @@ def conv_epilogue(
                  OUT_EMIN, EXACT)
 
 
-# ---- the GEMM kernels' tile epilogue (qgemm and decode_gemm) ----
+# ---- the GEMM kernel's tile epilogue ----
 
 @triton.jit
-def gemm_epilogue(
-    acc, offs_m, offs_n, M, N,
-    scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-    out_zp_ptr, out_ptr,
-    stride_rm, stride_rn, stride_om, stride_on,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-):
-    """Zero-point correction, scales, bias, activation, residual, requant — reference order."""
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    y = scale_acc(acc, offs_m, offs_n, mask_m, mask_n, scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr,
-                  wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
-    if ACT >= 7:  # gated (SwiGLU / GeGLU): N interleaved gate/up columns -> N / 2 outputs
-        y, offs_n = gated(y, offs_n, ACT, FAST_ACT)
-        mask_n = offs_n < N // 2
+def column_parts(acc, PARTS: tl.constexpr):
+    """A tile's ``PARTS`` column parts, as ``(first, second)``: ``(acc, acc)`` for one part, or
+    its left and right halves. An epilogue run on the halves one after the other holds half
+    the registers live: every elementwise op of the epilogue materializes a whole part."""
+    if PARTS == 1:
+        return acc, acc
     else:
-        y = activation(y, ACT, FAST_ACT)
-    mask = mask_m[:, None] & mask_n[None, :]
-    if HAS_RESIDUAL:
-        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
-        y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP, OUT_MANT,
-                 OUT_EMIN, EXACT)
+        return tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)),
+                                   (0, 2, 1)))
 
 
 @triton.jit
@@ -182,39 +163,44 @@ def finish_tile(
     OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
 ):
-    """The epilogue on the whole tile, or (``EPI_SPLIT == 2``) on its two column halves one
-    after the other: every elementwise op of the epilogue materializes a full tile of
-    registers, so halving the tile halves the live set."""
-    if EPI_SPLIT == 1:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        gemm_epilogue(
-            acc, offs_m, offs_n, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-        )
-    else:
-        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, BLOCK_N // 2)),
-                                          (0, 2, 1)))
-        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        gemm_epilogue(
-            left, offs_m, offs_h, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-        )
-        gemm_epilogue(
-            right, offs_m, offs_h + BLOCK_N // 2, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT,
-        )
+    """Zero-point correction, scales, bias, activation, residual, requant — reference order —
+    on the tile of rows ``offs_m`` and column block ``pid_n``: the whole tile, or
+    (``EPI_SPLIT == 2``) its two column halves one after the other (``column_parts``)."""
+    WIDTH: tl.constexpr = BLOCK_N // EPI_SPLIT
+    first, second = column_parts(acc, EPI_SPLIT)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, WIDTH)
+    for part in tl.static_range(EPI_SPLIT):
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        y = scale_acc(first if part == 0 else second, offs_m, offs_n, mask_m, mask_n, scale_ptr,
+                      x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, X_ROW_SCALE, HAS_X_ZP, HAS_BIAS)
+        cols = offs_n
+        if ACT >= GATED_FROM:  # SwiGLU / GeGLU: N interleaved gate/up columns -> N / 2 outputs
+            y, cols = gated(y, offs_n, ACT, FAST_ACT)
+            mask_n = cols < N // 2
+        else:
+            y = activation(y, ACT, FAST_ACT)
+        mask = mask_m[:, None] & mask_n[None, :]
+        if HAS_RESIDUAL:
+            r_ptrs = res_ptr + offs_m[:, None] * stride_rm + cols[None, :] * stride_rn
+            y = y + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + cols[None, :] * stride_on
+        store_output(y, out_ptrs, mask, out_inv_scale_ptr, out_zp_ptr, OUT_Q, HAS_OUT_ZP,
+                     OUT_MANT, OUT_EMIN, EXACT)
+        offs_n += WIDTH
+
+
+@triton.jit
+def k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's K tiles ``[k_first, k_end)``: all of K, or under split-K (grid axis 1:
+    the split) its share."""
+    k_end = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_end, SPLIT_K)
+        k_first = tl.program_id(1) * per_split
+        k_end = tl.minimum(k_end, k_first + per_split)
+    return k_first, k_end
 
 
 @triton.jit

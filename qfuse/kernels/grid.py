@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from qfuse.kernels.common import INTERPRETED
+
 # Programmatic dependent launch (sm_90+): a model step is a chain of short kernels, and the gap
 # between one kernel's last program and the next one's first is a large part of each at decode
 # and encoder sizes. A kernel launched with the attribute may start while the one before it
@@ -16,7 +18,6 @@ import torch
 # decode GEMMs issue their first weight loads before waiting. ``QFUSE_PDL=0`` turns it off (an
 # A/B switch, read per launch).
 PDL_ENABLED = os.environ.get("QFUSE_PDL", "1") != "0"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -26,7 +27,7 @@ def _capability(index: int) -> int:
 
 def pdl(device: torch.device) -> bool:
     """Whether GEMM launches on ``device`` are programmatic dependent launches."""
-    if not PDL_ENABLED or _INTERPRETED or device.type != "cuda":
+    if not PDL_ENABLED or INTERPRETED or device.type != "cuda":
         return False
     return _capability(device.index if device.index is not None
                        else torch.cuda.current_device()) >= 9

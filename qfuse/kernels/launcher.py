@@ -1,9 +1,9 @@
 """Launching a compiled Triton kernel without ``JITFunction.run``.
 
 ``kernel[grid](...)`` binds and specializes every argument, hashes a cache key and checks globals
-on every call: 25-36 us of host time per launch on the H200 machine's host (``bench/results/
-host_overhead_h200.txt``), more than the whole GEMM at decode sizes; launched this way, one
-QLinear costs 19.5 us against 51.3 (``host_overhead_h200.json``). A ``CachedLaunch`` keeps the
+on every call: more host time per launch than the whole GEMM takes at decode sizes; launched this
+way, one QLinear costs well under half the host time (``bench/host_overhead.py`` measures both).
+A ``CachedLaunch`` keeps the
 ``CompiledKernel`` that a first, ordinary launch returned, plus the arguments that do not change
 between calls (sizes fixed per layer, strides of contiguous tensors, constexprs), and calls its
 launcher directly with the ones that do (pointers, M, the grid).

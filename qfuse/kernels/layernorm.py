@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from qfuse.kernels.common import INTERPRETED, quantize_fp8, quantize_int8, round_to_float_grid
+from qfuse.kernels.common import (
+    INTERPRETED_JIT,
+    quantize_fp8,
+    quantize_int8,
+    round_to_float_grid,
+)
 
 
 @triton.jit
@@ -25,7 +30,7 @@ def to_grid(y, x_ptr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """``y`` rounded to x's float dtype, kept in float32: the GPU's own round trip through the
     narrow type rounds to nearest even in two instructions; the interpreter's casts truncate, so
     it rounds by integer ops (``round_to_float_grid``, ~10 an element)."""
-    if INTERPRETED:
+    if INTERPRETED_JIT:
         return round_to_float_grid(y, MANT, EMIN)
     else:
         return y.to(x_ptr.dtype.element_ty).to(tl.float32)

@@ -2,8 +2,8 @@
 
 Quantizing is monotonic (round, then clamp), so ``max(q(x)) == q(max(x))`` exactly: a conv can
 requantize before the pool and the pool can run on its int8/fp8 output, reading and writing a
-quarter of what bf16 pooling moves (ResNet's 3x3 stride-2 stem pool: 113 us in bf16 on the H200
-at batch 32, for 51 MB in). Padding taps never win (each window holds a real element, which
+quarter of what bf16 pooling moves (ResNet's 3x3 stride-2 stem pool reads 51 MB of bf16 at batch
+32). Padding taps never win (each window holds a real element, which
 PyTorch requires of max-pool padding), so they are masked to the dtype's smallest value.
 """
 
@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from qfuse.kernels.layout import empty_nhwc
+from qfuse.primitives import FP8_E4M3_MAX
 
 FP8 = torch.float8_e4m3fn
 
@@ -77,9 +78,9 @@ def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bo
     m = n * oh * ow
     if m == 0 or c == 0:
         return out
-    lowest = {torch.int8: -128.0, FP8: -448.0}.get(x.dtype, float("-inf"))
+    lowest = {torch.int8: -128.0, FP8: -FP8_E4M3_MAX}.get(x.dtype, float("-inf"))
     block_c = 32 if c >= 32 else 16  # 8 outputs per thread: the taps are unrolled (see the
-    block_m = 1024 // block_c        # register note in kernels.depthwise.pick_depthwise_config)
+    block_m = 1024 // block_c        # register note in conv.depthwise.pick_depthwise_config)
     sx = x.stride()
     launch(_maxpool_kernel)[(triton.cdiv(m, block_m), triton.cdiv(c, block_c))](
         x, out, m, h, w, oh, ow, c, sx[0], sx[2], sx[3], sx[1],

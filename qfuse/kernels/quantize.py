@@ -85,13 +85,8 @@ def _quantize_kernel(
         tl.store(q_ptr + offs_m[:, None] * stride_qm + cols[None, :], q, mask=mask)
 
 
-def quantize_args(
-    x: torch.Tensor,
-    qdtype: torch.dtype,
-    inv_scale: torch.Tensor | None,
-    zero_point: torch.Tensor | None,
-    exact: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int], dict, dict]:
+def quantize_args(x: torch.Tensor, qdtype: torch.dtype, inv_scale: torch.Tensor | None,
+                  zero_point: torch.Tensor | None, exact: bool) -> tuple:
     """Outputs ``(q, scale)``, grid, arguments (in ``_quantize_kernel``'s order: the 5 pointers
     and M first) and launch options of one quantize launch; see ``quantize``."""
     M, K = x.shape

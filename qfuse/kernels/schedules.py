@@ -24,14 +24,15 @@ class GemmConfig:
     # Float x: quantize in a separate pass first instead of in the GEMM's prologue.
     prequantize: bool = False
     # Run the epilogue on 1 or 2 column slices of the tile, one after the other: halves the
-    # registers a heavy epilogue holds (GELU at 128x256: 5284 -> 3669 us); no gain at 128x128.
+    # registers a heavy epilogue holds (GELU at 128x256: 30% faster); no gain at 128x128.
     epi_split: int = 1
-    # One program per SM walking the tiles (``mma_gemm._qlinear_persistent_kernel``); no split-K.
+    # One program per SM walking the tiles (``PERSISTENT`` of ``gemm.kernel._qlinear_kernel``);
+    # no split-K.
     persistent: bool = False
-    # The weight-streaming kernel without tensor cores (``decode_gemm._qlinear_decode_kernel``, see
-    # ``kernels/decode_gemm.py``): block_m rows x block_n weight rows per program, no stages.
+    # Weight streaming without tensor cores (``DECODE``, see ``kernels/gemm/decode.py``): block_m
+    # rows x block_n weight rows per program, no stages.
     decode: bool = False
-    # x and W tiles loaded through TMA descriptors (``tma_gemm._qlinear_tma_kernel``): x must be
+    # x and W tiles loaded through TMA descriptors (``TMA``, ``kernels/gemm/tma.py``): x must be
     # quantized in memory first (a prequantize pass for float x); ``persistent`` walks tiles.
     tma: bool = False
 
@@ -62,16 +63,16 @@ def split_for(tiles: int, k_tiles: int, sms: int) -> int:
 def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     """A handful of schedules for this M bucket, the expected best first.
 
-    Measured on H200 (bench/results/tune_h200_prologue.json): quantizing a float x in the
-    prologue re-does it in every column block — at M=16384, 4096x14336 int8 that took 3913 us
-    against 1874 us with a separate quantize pass first; at M=16 the extra launch costs more than
-    it saves. So float x gets the separate pass from M=128 on, and both are tried at M=64.
+    Measured on H200: quantizing a float x in the prologue re-does it in every column block — at
+    M=16384, 4096x14336 int8 that took twice as long as with a separate quantize pass first; at
+    M=16 the extra launch costs more than it saves. So float x gets the separate pass from
+    M=128 on, and both are tried at M=64.
     """
     x_float = kind.endswith("xf")
     b = m_bucket(M)
     out = []
     if b <= DECODE_MAX_M:
-        # The decode kernel (no MMA, see kernels/decode_gemm.py) first where it won (see
+        # The decode schedules (no MMA, see kernels/gemm/decode.py) first where they won (see
         # DECODE_FIRST_M); the MMA schedules stay in the list for autotune to compare.
         decode = decode_candidates(M, N, K, kind, sms)
         mma = _streaming_candidates(M, N, K, x_float, sms, short=True)
@@ -108,10 +109,9 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
     # Transformer-encoder shapes (K, N of 384..3072 at M of a few thousand tokens): the large
     # tiles above leave SMs idle (MiniLM's 4096x384x384 is 48 tiles of 256x128 on 132 SMs) and
     # their K loop is 3 iterations deep; measured on the H200, qfuse's GEMMs in MiniLM 32x128
-    # took 480 us against cuBLAS bf16's 275 with only those. Smaller tiles fill the GPU.
+    # took 1.7x cuBLAS bf16's time with only those. Smaller tiles fill the GPU.
     if N * K <= 4096 * 4096:
-        # Timed by GPU time on the H200
-        # (bench/results/earlier/encoder_gemms_h200_c4ef480.json), 128x128x64 on one warpgroup
+        # Timed by GPU time on the H200 (bench/encoder_gemms.py), 128x128x64 on one warpgroup
         # won 11 of BERT-base's 16 (layer, dtype) cases at M=4096: its 64 KB of
         # stages and 128 registers a thread leave room for two programs per SM, so one's
         # epilogue overlaps the other's MMAs.
@@ -121,15 +121,15 @@ def candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
             out.append(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
                                   prequantize=x_float, epi_split=epi))
         # Persistent (one program per SM walking the tiles): within 10% of the best on fp8 Q/K/V,
-        # behind elsewhere (same file); kept as a candidate where it came closest.
+        # behind elsewhere (same measurement); kept as a candidate where it came closest.
         out.append(GemmConfig(128, 128, 128, num_warps=8, num_stages=4, prequantize=x_float,
                               persistent=True))
     if x_float and N <= 4096:
         # The prologue re-quantizes x once per column block: N / BLOCK_N times, few when N is
         # small, against a whole extra pass (and launch) over x for the separate quantize.
-        # Timed by GPU time it lost at every encoder shape (BERT's attention output, N=768:
-        # 21.8 us at best against 14.5 with the pass; MiniLM's N=384: 10.2 against 8.7), so only
-        # the two schedules that came closest are kept in the prologue form.
+        # Timed by GPU time it lost at every encoder shape (BERT's attention output, N=768, by
+        # half again; MiniLM's N=384 by a sixth), so only the two schedules that came closest
+        # are kept in the prologue form.
         out += [dataclasses.replace(c, prequantize=False) for c in out[:3:2]]
     return out
 
@@ -172,8 +172,8 @@ def _streaming_candidates(M: int, N: int, K: int, x_float: bool, sms: int,
 # until a thread holds at most DECODE_LANES of them.
 DECODE_SHAPES = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (8, 1024, 8))
 # Buckets up to DECODE_MAX_M get decode candidates; up to DECODE_FIRST_M they come first for
-# int8 (fp8 keeps the MMA schedules first). Measured on an H100 (bench/results/
-# decode_ab_h100.txt, TinyLlama shapes, cold L2), best decode schedule against the best MMA one:
+# int8 (fp8 keeps the MMA schedules first). Measured on an H100 (bench/decode_gemm_ab.py,
+# TinyLlama shapes, cold L2), best decode schedule against the best MMA one:
 # M = 1 int8 0.82-0.97x the time on all four shapes, fp8 0.90-1.31x (faster on one); M = 8
 # int8 0.86-1.30x (faster on one), fp8 1.06-4.0x; M = 32 0.93-10x. Untuned calls take the
 # first candidate, so the decode kernel leads only where it won: int8, M <= 2.
@@ -182,15 +182,15 @@ DECODE_FIRST_M = 2
 DECODE_LANES = 32
 # Programs to aim for per SM: a program keeps one block_n x block_k step in flight (plus the
 # one it multiplies), so ~8 of 4-16 KB per SM keep several MB in flight on 132 SMs, what the
-# H200's 4.8 TB/s at ~0.8 us memory latency needs.
+# H200's 4.8 TB/s at its memory latency needs.
 DECODE_PROGRAMS_PER_SM = 8
 
 
 # Whole-K schedules: a program reads its rows' whole K in one or two steps, both loads issued
 # before it multiplies (decode_accumulate loads one step ahead), and sums no split-K partials.
-# Profiled in TinyLlama's decode step on an H100 (bench/results/llm_h100_graph.json, per GEMM
-# position), the split-K schedules above took 5.5 us for o_proj's 4 MB and 9.0 us for down's
-# 11.5 MB (0.76 and 1.28 TB/s of 3.35): each program waits for ~3 loads in a row, then the
+# Profiled in TinyLlama's decode step on an H100 (bench/bench_llm.py, per GEMM position), the
+# split-K schedules above streamed o_proj's 4 MB and down's 11.5 MB at a quarter and a third of
+# the memory bandwidth: each program waits for ~3 loads in a row, then the
 # split-K hand-off (a partial written, a counter, the last program reading them back), then the
 # epilogue's loads, and every wait is a full memory latency. Lanes as above (DECODE_LANES a
 # thread) decide the rows a program takes at each step count and warp count.
@@ -217,7 +217,7 @@ def whole_k_candidates(bm: int, K: int, words: bool) -> list[GemmConfig]:
 
 
 def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmConfig]:
-    """Schedules of ``decode_gemm._qlinear_decode_kernel`` for this shape (``DECODE_SHAPES``):
+    """Decode schedules (``kernels/gemm/decode.py``) for this shape (``DECODE_SHAPES``):
     block_m the M bucket, at most 8 (larger M runs several row blocks, which re-read their
     weights from L2); split-K doubled until the GPU holds ``DECODE_PROGRAMS_PER_SM`` programs an
     SM while every split keeps at least one K step; the first shape also at half that split.
@@ -257,9 +257,9 @@ def decode_candidates(M: int, N: int, K: int, kind: str, sms: int) -> list[GemmC
 def for_epilogue(cfg: GemmConfig, heavy: bool) -> GemmConfig:
     """``cfg`` for a heavy epilogue: the tile capped at 128x128 (8 warps, 4 stages).
 
-    Measured on H200 (bench/results/epilogue_ab_h200.txt, M=16384 K=4096 N=14336, int8 out):
-    ReLU 128x256 1869 us; GELU 128x256 5284 us, in two column halves (``epi_split=2``) 3669 us,
-    128x128 2744 us (2754 in halves). fp8: GELU 128x128 2336 us against 5378 at 128x256.
+    Measured on H200 (bench/epilogue_ab.py, M=16384 K=4096 N=14336, int8 out): GELU at
+    128x256 took 2.8x ReLU's time, 2x in two column halves (``epi_split=2``), 1.5x at 128x128
+    (the same in halves). fp8: GELU at 128x128 in less than half the time of 128x256.
     """
     if heavy and cfg.block_m * cfg.block_n > 128 * 128:
         return dataclasses.replace(cfg, block_m=128, block_n=128, block_k=128, num_warps=8,
@@ -290,8 +290,8 @@ def runnable_candidates(M: int, N: int, K: int, kind: str, sms: int, heavy_epilo
     return [c for c in cands if fits(c, kind, x_bytes)] or cands
 
 
-# TMA schedules (``tma_gemm``) for the MMA buckets: (block_m, block_n, block_k, num_warps,
-# num_stages, persistent, epi_split).
+# TMA schedules (``kernels/gemm/tma.py``) for the MMA buckets: (block_m, block_n, block_k,
+# num_warps, num_stages, persistent, epi_split).
 TMA_SHAPES = (
     (128, 128, 128, 8, 3, False, 1), (128, 128, 128, 8, 4, True, 1),
     (128, 128, 64, 4, 4, False, 1), (128, 128, 64, 4, 4, True, 1),
@@ -321,9 +321,9 @@ def heavy_candidates(x_float: bool) -> list[GemmConfig]:
 
     Above 4096 x 4096 weights ``candidates`` offers only tiles larger than 128x128, which
     ``for_epilogue`` all caps to the same 128x128x128 schedule on 8 warps: autotune had one
-    choice. On an H100 (bench/results/llm_h100_graph.json, 2026-11-25) TinyLlama's gate/up GEMM
-    with its SwiGLU epilogue (M 512, N 11264, K 2048) ran that schedule at 260 TOPS, 90.7 us, 2000
-    of the 3086 us of quantized GEMMs in a 1x512 prefill. One-warpgroup tiles hold half the
+    choice. On an H100 TinyLlama's gate/up GEMM with its SwiGLU epilogue (M 512, N 11264,
+    K 2048) ran that schedule at 260 TOPS, two thirds of the quantized GEMMs' time in a 1x512
+    prefill. One-warpgroup tiles hold half the
     registers, so two programs share an SM and one's epilogue overlaps the other's MMAs (they
     won BERT-base's GELU FFN, ``candidates``); autotune now times them too."""
     return [GemmConfig(bm, bn, bk, num_warps=4, num_stages=stages, prequantize=x_float,

@@ -1,7 +1,7 @@
 """Schedules measured by ``bench/tune_qgemm.py``, keyed like ``tuning.cache_key``.
 
 Data, not code: regenerate with that script on the GPU named in the key (these: one H200,
-torch 2.11 / triton 3.6, 2026-11-21; timings in bench/results/tune_h200.json). Fields are
+torch 2.11 / triton 3.6, 2026-11-21; timings in the results history). Fields are
 ``schedules.GemmConfig``'s: block_m, block_n, block_k, group_m, split_k, num_warps, num_stages,
 prequantize.
 """
@@ -156,8 +156,7 @@ _ROWS = {
 # each layer has in the converted model; a GELU layer's row carries its epilogue in the key, as
 # ``tuning.cache_key`` builds it). Layers reading a float input (M=128 and 4096) measured at
 # commits 4b2a37b / c4ef480; layers reading int8/fp8 from the previous kernel (every layer of a
-# converted encoder) at M=4096 at cbedabb (bench/results/s12_h200/call2/encoder_gemms_m4096.json)
-# and at M=128 at 4538436 (bench/results/s11_h200/call3/encoder_gemms_m128.json), one H200.
+# converted encoder) at M=4096 at cbedabb and at M=128 at 4538436, one H200.
 # The shorter rows leave out the trailing fields (see ``_DEFAULTS``): epi_split, persistent,
 # decode, tma.
 _ROWS.update({
@@ -214,7 +213,7 @@ _ROWS.update({
 # TinyLlama-1.1B's decode GEMMs at M = 1 (hidden 2048, Q/K/V 2560, gate+up 11264 with SwiGLU,
 # down 5632 -> 2048 from int8/fp8 x), one H200: each role's schedule timed inside the graphed
 # chain of a whole step's 88 GEMMs with programmatic dependent launch on (bench/decode_chain.py
-# --tune; bench/results/s14_h200/call2/decode_chain_tune.json, commit efa68f8). Without these a
+# --tune, commit efa68f8). Without these a
 # traced call takes the first candidate (fp8: an MMA schedule for every role).
 _ROWS.update({
     "NVIDIA H200|int8-xf|M1|N2560|K2048": (1, 8, 2048, 1, 1, 4, 1, False, 1, False, True),
@@ -228,8 +227,8 @@ _ROWS.update({
 })
 
 # Decode rows (M buckets 1..32, measured by bench/decode_gemm_ab.py) may add an 11th field,
-# decode: True selects ``decode_gemm._qlinear_decode_kernel`` (group_m, epi_split, persistent
-# unused); a 12th, tma: True selects ``tma_gemm._qlinear_tma_kernel``.
+# decode: True selects the decode schedule (group_m, epi_split, persistent unused); a 12th,
+# tma: True selects the TMA one.
 _DEFAULTS = (1, False, False, False)  # epi_split, persistent, decode, tma for the shorter rows
 
 

@@ -42,7 +42,7 @@ _memory: dict[tuple[str, bool], GemmConfig] = {}
 
 @functools.cache
 def _gpu_name(device: torch.device) -> str:
-    # Cached: a driver query per call is host time on a path whose kernels take ~10 us at
+    # Cached: a driver query per call is host time on a path whose kernels are short at
     # decode sizes.
     return torch.cuda.get_device_name(device)
 
@@ -81,10 +81,10 @@ def device_time_ms(fn: Callable[[], object], calls: int = 8, replays: int = 9,
     ``replays`` timed replays divided by ``calls``.
 
     Not ``do_bench``: it times one eager call between two events, and an eager Triton launch
-    costs 50-100 us of host time, so any kernel shorter than that measures the launch instead —
-    on the H200 every schedule of MiniLM's 4096x384x384 GEMM "took" 55-59 us, and autotune
-    picked among them by noise. A graph replays the kernels back to back with no host work.
-    Weights stay in L2 between calls (no flush), as a model's small layers mostly do.
+    costs more host time than a short kernel runs, so such a kernel measures the launch instead —
+    on the H200 every schedule of MiniLM's 4096x384x384 GEMM "took" the same time within 7%,
+    and autotune picked among them by noise. A graph replays the kernels back to back with no
+    host work. Weights stay in L2 between calls (no flush), as a model's small layers mostly do.
 
     ``cold=True``: L2 is flushed (a buffer of twice its size zeroed) before each call and the
     flushes' own time subtracted: what a decode step sees, where every GEMM streams weights
@@ -202,7 +202,7 @@ def pick_config(
     ``epilogue`` names a heavy epilogue's activation (part of the cache key).
     ``heavy_epilogue`` (GELU, SiLU: ~40 float ops per element from IEEE-exact polynomials) caps
     the tile at 128x128 (``for_epilogue``): with 128x256 tiles the d=4096/h=14336 MLP at
-    M=16384 ran 6.9 ms against 3.6 ms for its two GEMMs with ReLU.
+    M=16384 ran nearly twice as long as its two GEMMs with ReLU.
     """
     if interpreted:
         return INTERPRETER_CONFIG

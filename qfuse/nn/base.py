@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -11,7 +13,53 @@ from qfuse.primitives import inverse
 
 class QuantizedModule(nn.Module):
     """Base of QLinear/QConv2d. All quantized state is in registered buffers (so ``.to("cuda")``
-    moves it and ``state_dict`` saves it); layout flags are plain attributes set at build time."""
+    moves it and ``state_dict`` saves it); layout flags are plain attributes set at build time.
+
+    What a layer's kernel calls are made of is described once (``describe``: a ``GemmCall`` or
+    ``ConvCall``), and in plain eager inference kept between calls (``layer_call``)."""
+
+    # The input's and the output's quantization buffers (``_set_qparams``), in BUFFER_NAMES.
+    QPARAM_BUFFERS = tuple(f"{prefix}_{suffix}" for prefix in ("x", "out")
+                           for suffix in ("scale", "inv_scale", "zero_point"))
+
+    def describe(self):
+        """This layer's call description, from its buffers and attributes as they are now."""
+        raise NotImplementedError
+
+    def _call_fields(self, *buffers: str) -> dict:
+        """The description's fields every quantized module fills the same way (its buffers of
+        those names, its activation and output dtype), and the ``buffers`` named."""
+        b = self._buffers  # direct: nn.Module.__getattr__ costs more than the lookup
+        names = ("weight", "scale", "bias", "x_inv_scale", "x_zero_point", "out_inv_scale",
+                 "out_zero_point", *buffers)
+        return {**{name: b[name] for name in names}, "act": self.activation,
+                "out_dtype": self.out_dtype}
+
+    def layer_call(self):
+        """``describe()``, kept between calls (the eager hot path builds no description per
+        call): rebuilt when a buffer is another tensor than the kept one's, or an attribute is
+        set. In-place changes of a buffer (``load_state_dict``) keep it: it holds the tensors."""
+        kept = self.__dict__.get("_kept_call")
+        buffers = self._buffers
+        if (kept is None or len(kept[0]) != len(buffers)
+                or not all(map(operator.is_, kept[0], buffers.values()))):
+            kept = self.__dict__["_kept_call"] = (tuple(buffers.values()), self.describe())
+        return kept[1]
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        self.__dict__.pop("_kept_call", None)  # an attribute the description may read changed
+
+    def _init_buffers(self, weight_shape: tuple, out_channels: int) -> None:
+        """The buffers and attributes every quantized module starts with (``from_float`` or
+        ``from_layout`` fills them in)."""
+        self.activation = "none"
+        self.out_dtype = torch.float32
+        self._input_quantized = False
+        self.register_buffer("weight", torch.zeros(weight_shape, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_channels))
+        self.register_buffer("scale", torch.ones(out_channels))
+        self.register_buffer("bias", None)
 
     def _apply(self, fn, recurse=True):
         # model.half() / .to(torch.bfloat16) apply to every floating buffer — float8 weights too —
@@ -21,6 +69,7 @@ class QuantizedModule(nn.Module):
         cast = fn(torch.zeros((), dtype=torch.float32)).dtype != torch.float32
         before = {k: b for k, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
+        self.__dict__.pop("_kept_call", None)  # it holds the old tensors
         if hasattr(self, "_launch_cache"):  # compiled kernels belong to the old device
             self._launch_cache = {}
         for name, old in before.items():
@@ -30,8 +79,10 @@ class QuantizedModule(nn.Module):
         return self
 
     def __getstate__(self):
-        # deepcopy/pickle: compiled-kernel launch plans belong to this process and device
+        # deepcopy/pickle: compiled-kernel launch plans belong to this process and device (and
+        # the kept call description is rebuilt from the copy's own buffers)
         state = self.__dict__.copy()
+        state.pop("_kept_call", None)
         if "_launch_cache" in state:
             state["_launch_cache"] = {}
         return state

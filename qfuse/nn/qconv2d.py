@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from qfuse.errors import UnsupportedError
+from qfuse.kernels.conv.call import ConvCall
 from qfuse.kernels.conv.implicit import pack_weight
 from qfuse.nn.base import QuantizedModule
+from qfuse.ops.backend import eager
 from qfuse.ops.qconv2d import dynamic_input_qparams, qconv2d_call
 from qfuse.primitives import quantize_weight, quantize_weight_fp8
 
@@ -27,20 +29,8 @@ class QConv2d(QuantizedModule):
         torch.Size([2, 8, 6, 6])
     """
 
-    BUFFER_NAMES = (
-        "weight",
-        "weight_scale",
-        "scale",
-        "bias",
-        "x_scale",
-        "x_inv_scale",
-        "x_zero_point",
-        "out_scale",
-        "out_inv_scale",
-        "out_zero_point",
-        "residual_scale",
-        "residual_zero_point",
-    )
+    BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", *QuantizedModule.QPARAM_BUFFERS,
+                    "residual_scale", "residual_zero_point")
     LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + (
         "stride",
         "padding",
@@ -53,15 +43,8 @@ class QConv2d(QuantizedModule):
         super().__init__()
         kh, kw = kernel_size
         self.stride, self.padding, self.dilation, self.groups = [1, 1], [0, 0], [1, 1], groups
-        self.activation = "none"
         self.post_activation = "none"
-        self.out_dtype = torch.float32
-        self._input_quantized = False
-        shape = (out_channels, in_channels // groups, kh, kw)
-        self.register_buffer("weight", torch.zeros(shape, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(out_channels))
-        self.register_buffer("scale", torch.ones(out_channels))
-        self.register_buffer("bias", None)
+        self._init_buffers((out_channels, in_channels // groups, kh, kw), out_channels)
         self._set_qparams("x", 1.0, None)
         self._set_qparams("out", None, None)
         self.register_buffer("residual_scale", None)  # set when the residual comes int8/fp8
@@ -140,32 +123,22 @@ class QConv2d(QuantizedModule):
         """True when the input's per-tensor scale is computed at run time (no static scale)."""
         return self.x_inv_scale is None and not self._input_quantized
 
+    def describe(self, **changes) -> ConvCall:
+        """This layer's fused conv call (``kernels.conv.call.ConvCall``), ``changes`` (fields by
+        name) applied."""
+        return ConvCall(**{
+            **self._call_fields("residual_scale", "residual_zero_point"),
+            "stride": self.stride, "padding": self.padding, "dilation": self.dilation,
+            "groups": self.groups, "post_act": self.post_activation, **changes,
+        })
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        scale, x_inv_scale = self.scale, self.x_inv_scale
-        if x_inv_scale is None and not self._input_quantized:
-            # Dynamic: this batch's scale, as device tensors into the static conv path.
+        if self.dynamic:  # this batch's scale, as device tensors into the static conv path
             x_scale, x_inv_scale = dynamic_input_qparams(x, self._buffers["weight"].dtype)
-            scale = scale * x_scale
-        return qconv2d_call(
-            x,
-            self.weight,
-            scale,
-            self.bias,
-            x_inv_scale,
-            self.x_zero_point,
-            residual,
-            self.out_inv_scale,
-            self.out_zero_point,
-            self.activation,
-            self.out_dtype,
-            self.stride,
-            self.padding,
-            self.dilation,
-            self.groups,
-            self.post_activation,
-            self.residual_scale if residual is not None else None,
-            self.residual_zero_point if residual is not None else None,
-        )
+            call = self.describe(scale=self.scale * x_scale, x_inv_scale=x_inv_scale)
+        else:
+            call = self.layer_call() if eager(x) else self.describe()
+        return qconv2d_call(x, call, residual)
 
     def extra_repr(self) -> str:
         return (

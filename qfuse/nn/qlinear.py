@@ -6,8 +6,10 @@ import torch
 
 from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import out_features as gemm_columns
+from qfuse.kernels.gemm.call import GemmCall
 from qfuse.nn.base import QuantizedModule
-from qfuse.ops.qlinear import qlinear_call
+from qfuse.ops.backend import eager
+from qfuse.ops.qlinear import qlinear_call, qlinear_eager_call
 from qfuse.ops.reference import FP8
 from qfuse.primitives import quantize_weight, quantize_weight_fp8
 
@@ -33,34 +35,17 @@ class QLinear(QuantizedModule):
     LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + ("exact_epilogue",)
     LAYOUT_DEFAULTS = {"exact_epilogue": False}
 
-    BUFFER_NAMES = (
-        "weight",
-        "weight_scale",
-        "scale",
-        "bias",
-        "weight_sum",
-        "x_scale",
-        "x_inv_scale",
-        "x_zero_point",
-        "out_scale",
-        "out_inv_scale",
-        "out_zero_point",
-    )
+    BUFFER_NAMES = ("weight", "weight_scale", "scale", "bias", "weight_sum",
+                    *QuantizedModule.QPARAM_BUFFERS)
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.activation = "none"
-        self.out_dtype = torch.float32
-        self._input_quantized = False
         # GELU/SiLU epilogue on the GPU: hardware erf/exp (False) or the IEEE-exact polynomials
         # that match the CPU reference bit for bit (True). See kernels/common.activation.
         self.exact_epilogue = False
-        self._launch_cache: dict = {}  # kernels.qgemm_eager.qlinear_eager's plans, per M bucket
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(out_features))
-        self.register_buffer("scale", torch.ones(out_features))
-        self.register_buffer("bias", None)
+        self._launch_cache: dict = {}  # kernels.gemm.eager.qlinear_eager's plans, per M bucket
+        self._init_buffers((out_features, in_features), out_features)
         self.register_buffer("weight_sum", None)
         self._set_qparams("x", 1.0, None)
         self._set_qparams("out", None, None)
@@ -138,10 +123,10 @@ class QLinear(QuantizedModule):
 
         The GEMM then runs the symmetric epilogue: subtracting ``zp_x * colsum(W)`` from the
         int32 accumulator tile in the epilogue made the int8 FFN-up kernel of BERT-base (GELU +
-        requant, 128x128 tile) run 63 µs inside the model against 43 µs for the same schedule
-        without zero points (H200, bench/results/diag_model_gemms_h200.txt). The output moves
-        by float32 rounding only (``acc * scale`` and the folded bias round separately); the
-        Triton kernels and the CPU reference compute the same folded form, bit for bit.
+        requant, 128x128 tile) run about half as long again inside the model as the same
+        schedule without zero points (H200). The output moves by float32 rounding only
+        (``acc * scale`` and the folded bias round separately); the Triton kernels and the CPU
+        reference compute the same folded form, bit for bit.
         """
         wsum, zp = self._buffers.get("weight_sum"), self._buffers.get("x_zero_point")
         if wsum is None or zp is None:
@@ -157,25 +142,16 @@ class QLinear(QuantizedModule):
         """True when activations are quantized per token at run time."""
         return self.x_inv_scale is None and not self._input_quantized
 
+    def describe(self) -> GemmCall:
+        """This layer's fused GEMM call (``kernels.gemm.call.GemmCall``): its buffers, activation
+        and output dtype; the fast GELU/SiLU epilogue on CUDA unless ``exact_epilogue``."""
+        fields = self._call_fields("weight_sum")
+        return GemmCall(**fields, fast_act=not self.exact_epilogue and fields["weight"].is_cuda)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        b = self._buffers  # direct: nn.Module.__getattr__ costs ~0.3 us a buffer on this path
-        return qlinear_call(
-            x,
-            b["weight"],
-            b["scale"],
-            b["bias"],
-            b["x_inv_scale"],
-            b["x_zero_point"],
-            b["weight_sum"],
-            residual,
-            b["out_inv_scale"],
-            b["out_zero_point"],
-            self.activation,
-            self.out_dtype,
-            None,
-            not self.exact_epilogue and x.is_cuda,
-            self._launch_cache,
-        )
+        if eager(x):  # plain inference: the kept description, the cached launches
+            return qlinear_eager_call(x, self.layer_call(), None, residual, self._launch_cache)
+        return qlinear_call(x, self.describe(), None, residual)
 
     @property
     def launch_mode(self) -> str:

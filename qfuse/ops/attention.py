@@ -12,20 +12,18 @@ mask [batch, 1, seq, seq] and passes it to every attention call, where SDPA turn
 additive float mask again (a fill and a ``where`` kernel per layer) and picks a masked attention
 kernel. transformers' own eager forward checks the mask once and passes none when nothing is
 masked. ``drop_full_mask`` does the same for the converted graph: measured on an H100 with
-MiniLM-L6 32x128 (``bench/results/diag_eager_h100.txt``), the masked path cost 12 extra kernels
-per forward, 93.5 against 52.8 us of attention, and 557 against 206 us of cuDNN attention host
-time.
+MiniLM-L6, the masked path cost 12 extra kernels per forward, nearly doubled the attention's
+GPU time and more than doubled cuDNN attention's host time.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from qfuse.kernels.common import INTERPRETED
 from qfuse.ops import reference
-from qfuse.ops.backend import Backend, resolve_backend
+from qfuse.ops.backend import Backend, eager, kernel_wrap, resolve_backend
 
 
 def drop_full_mask(mask: torch.Tensor) -> torch.Tensor | None:
@@ -54,7 +52,6 @@ def drop_full_mask(mask: torch.Tensor) -> torch.Tensor | None:
 
 # ---- qfuse::attention_quant: attention whose output leaves in the next GEMM's input form ----
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _QUANT = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -105,8 +102,8 @@ def attention_quant(
     check_inputs(q, k, v, mask, out_dtype, inv_scale)
     if resolve_backend(q.device) is not Backend.TRITON:
         return _reference(q, k, v, mask, scale, inv_scale, zero_point, out_dtype)
-    wrap = torch.library.wrap_triton if q.device.type == "cuda" and not INTERPRETED else None
-    return kernel(q, k, v, mask, scale, inv_scale, zero_point, out_dtype, INTERPRETED, wrap)
+    return kernel(q, k, v, mask, scale, inv_scale, zero_point, out_dtype, INTERPRETED,
+                  kernel_wrap(q.device))
 
 
 @attention_quant.register_fake
@@ -123,9 +120,7 @@ def attention_quant_call(q, k, v, mask, scale, inv_scale, zero_point, out_dtype)
     exported; in plain eager on CUDA the kernel through a cached launch (``kernels.launcher``),
     skipping the dispatcher and Triton's launch, as ``layer_norm_quant_call`` does. A plan is
     kept per shape and strides (every integer argument is fixed by them)."""
-    from qfuse.ops.qlinear import _eager
-
-    if not (_eager(q) and q.is_cuda and not INTERPRETED
+    if not (eager(q) and q.is_cuda and not INTERPRETED
             and resolve_backend(q.device) is Backend.TRITON):
         return torch.ops.qfuse.attention_quant(q, k, v, mask, scale, inv_scale, zero_point,
                                                out_dtype)

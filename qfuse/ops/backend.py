@@ -5,6 +5,8 @@
 - ``triton``: Triton everywhere. On CPU tensors that needs the Triton interpreter
   (``TRITON_INTERPRET=1`` set before qfuse is imported); without it this is a ``BackendError``.
 - ``reference``: the PyTorch reference everywhere, CUDA included (numerics debugging).
+
+The environment variable is read once per process (``read_environment`` reads it again).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from qfuse.errors import BackendError
+from qfuse.kernels.common import INTERPRETED
 
 
 class Backend(enum.Enum):
@@ -27,33 +30,31 @@ class Backend(enum.Enum):
 
 _override: Backend | None = None
 
-# Every eager call of a fused op asks for the backend: ``os.environ.get`` costs ~1 us of
-# host time (2-3 on the H200 machine's host), 72 times per BERT-base forward. CPython keeps
-# the environment in ``os.environ._data`` (what ``os.environ[...] = ...`` updates): one dict
-# lookup of the encoded key, parsed once per distinct value.
-_ENV_DATA = getattr(os.environ, "_data", None)
-try:
-    _ENV_KEY = os.environ.encodekey("QFUSE_BACKEND")  # type: ignore[attr-defined]
-except AttributeError:  # another Python: read it the ordinary way
-    _ENV_DATA = None
-_PARSED: dict = {}
+# Every eager call of a fused op asks for the backend (72 times per BERT-base forward), and
+# ``os.environ.get`` costs up to 30 dict lookups there (timeit; an unset variable raises and
+# catches a KeyError inside it): so QFUSE_BACKEND is read once per process, on the first call,
+# and ``read_environment`` reads it again. In code, ``use_backend`` switches.
+_from_environment: Backend | None = None
+
+
+def read_environment() -> Backend:
+    """The backend ``QFUSE_BACKEND`` asks for, read from the environment now and kept for the
+    calls after this one."""
+    global _from_environment
+    value = os.environ.get("QFUSE_BACKEND", "auto").strip().lower()
+    try:
+        _from_environment = Backend(value)
+    except ValueError:
+        raise BackendError(
+            f"QFUSE_BACKEND={value!r} is not a backend; use one of auto, triton, reference."
+        ) from None
+    return _from_environment
 
 
 def requested_backend() -> Backend:
     if _override is not None:
         return _override
-    raw = _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else os.environ.get("QFUSE_BACKEND")
-    backend = _PARSED.get(raw)
-    if backend is None:
-        value = "auto" if raw is None else os.environ.get("QFUSE_BACKEND", "auto")
-        value = value.strip().lower()
-        try:
-            backend = _PARSED[raw] = Backend(value)
-        except ValueError:
-            raise BackendError(
-                f"QFUSE_BACKEND={value!r} is not a backend; use one of auto, triton, reference."
-            ) from None
-    return backend
+    return _from_environment if _from_environment is not None else read_environment()
 
 
 @contextlib.contextmanager
@@ -75,9 +76,25 @@ def use_backend(backend: Backend | str) -> Iterator[None]:
 
 
 def triton_interpreted() -> bool:
-    from qfuse.kernels.gemm.dispatch import INTERPRETED
-
     return INTERPRETED
+
+
+def eager(x: torch.Tensor) -> bool:
+    """True when no tracer, compiler or tensor subclass needs to see an op called on ``x``: the
+    ``*_call`` functions then run its body (or a cached launch) without the dispatcher."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def kernel_wrap(device: torch.device):
+    """How an op's body launches its Triton kernels on ``device``: through
+    ``torch.library.wrap_triton`` on CUDA (so ``torch.compile`` sees the kernels), directly in
+    the interpreter (None)."""
+    return torch.library.wrap_triton if device.type == "cuda" and not INTERPRETED else None
 
 
 def resolve_backend(device: torch.device, *, has_triton_kernel: bool = True) -> Backend:

@@ -7,13 +7,10 @@ in plain PyTorch (GQA by reshape, float32 softmax, SDPA's mask semantics) and is
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from qfuse.ops.backend import Backend, resolve_backend
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from qfuse.kernels.common import INTERPRETED
+from qfuse.ops.backend import Backend, kernel_wrap, resolve_backend
 
 
 def reference(q, k, v, mask, scale):
@@ -45,13 +42,8 @@ def reference(q, k, v, mask, scale):
 
 
 @torch.library.triton_op("qfuse::decode_attention", mutates_args=())
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float | None,
-) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """Attention of [B, H, Sq, D] ``q`` (any strides; Sq small) over a [B, Hkv, L, D] cache
     ``k``, ``v`` (any strides, H % Hkv == 0) with ``mask`` as SDPA takes it (boolean, True
     attends, or additive; broadcastable to [B, H, Sq, L]) and ``scale`` (None: 1/sqrt(D)),
@@ -71,7 +63,7 @@ def decode_attention(
     check_inputs(q, k, v, mask)
     if resolve_backend(q.device) is not Backend.TRITON:
         return reference(q, k, v, mask, scale)
-    wrap = torch.library.wrap_triton if q.device.type == "cuda" and not INTERPRETED else None
+    wrap = kernel_wrap(q.device)
     # A compiled graph or a CUDA graph being captured owns its arrival counters: fresh zeros.
     tracing = wrap is not None and (type(q) is not torch.Tensor or torch.compiler.is_compiling()
                                     or torch.cuda.is_current_stream_capturing())

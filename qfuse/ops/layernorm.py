@@ -9,15 +9,12 @@ the unfused graph; the Triton kernel agrees up to the LayerNorm's float rounding
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from qfuse.kernels.common import INTERPRETED
 from qfuse.ops import reference
-from qfuse.ops.backend import Backend, resolve_backend
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from qfuse.ops.backend import Backend, eager, kernel_wrap, resolve_backend
 
 
 def _reference(x, weight, bias, eps, inv_scale, zero_point, qdtype, write_y, rms=False):
@@ -55,9 +52,8 @@ def layer_norm_quant(
     from qfuse.kernels.layernorm import layer_norm_quant as kernel
 
     lead, D = x.shape[:-1], x.shape[-1]
-    wrap = torch.library.wrap_triton if x.device.type == "cuda" and not INTERPRETED else None
     y, q = kernel(x.reshape(-1, D).contiguous(), weight, bias, eps, inv_scale, zero_point,
-                  qdtype, write_y, INTERPRETED, wrap, rms)
+                  qdtype, write_y, INTERPRETED, kernel_wrap(x.device), rms)
     return (y.view(*lead, D) if write_y else y), q.view(*lead, D)
 
 
@@ -74,10 +70,8 @@ def layer_norm_quant_call(x, weight, bias, eps, inv_scale, zero_point, qdtype, w
                           rms=False):
     """What converted graphs call: the op where traced, compiled or exported; in plain eager on
     CUDA the kernel through a cached launch (``kernels.launcher``), skipping the dispatcher and
-    Triton's launch (~150 us of host time together on the H200 machine, per LayerNorm)."""
-    from qfuse.ops.qlinear import _eager
-
-    if not (_eager(x) and x.is_cuda and x.is_contiguous() and not INTERPRETED
+    Triton's launch (together more host time per LayerNorm than the kernel runs)."""
+    if not (eager(x) and x.is_cuda and x.is_contiguous() and not INTERPRETED
             and resolve_backend(x.device) is Backend.TRITON):
         return torch.ops.qfuse.layer_norm_quant(x, weight, bias, eps, inv_scale, zero_point,
                                                 qdtype, write_y, rms)

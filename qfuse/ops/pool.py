@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from qfuse.kernels.layout import as_nhwc, empty_nhwc
 from qfuse.kernels.pool import output_size
-from qfuse.ops.backend import Backend, resolve_backend
+from qfuse.ops.backend import Backend, eager, resolve_backend
 
 
 def _impl(x: torch.Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
@@ -21,9 +21,8 @@ def _impl(x: torch.Tensor, kernel_size: list[int], stride: list[int], padding: l
     """Max-pool of NCHW-shaped ``x`` (int8, fp8 or float); the result is channels-last."""
     if resolve_backend(x.device) is Backend.TRITON:
         from qfuse.kernels.pool import max_pool2d as kernel
-        from qfuse.ops.qconv2d import _eager
 
-        launcher = None if _eager(x) or x.device.type == "cpu" else torch.library.wrap_triton
+        launcher = None if eager(x) or x.device.type == "cpu" else torch.library.wrap_triton
         return kernel(x, kernel_size, stride, padding, dilation, ceil_mode, launcher=launcher)
     out = F.max_pool2d(x.float(), kernel_size, stride, padding, dilation, ceil_mode)
     return as_nhwc(out.to(x.dtype))
@@ -50,7 +49,5 @@ def max_pool2d_call(x, kernel_size, stride, padding, dilation, ceil_mode) -> tor
         >>> max_pool2d_call(x, [3, 3], [2, 2], [1, 1], [1, 1], False).shape
         torch.Size([1, 4, 3, 3])
     """
-    from qfuse.ops.qconv2d import _eager
-
-    fn = _impl if _eager(x) else torch.ops.qfuse.max_pool2d
+    fn = _impl if eager(x) else torch.ops.qfuse.max_pool2d
     return fn(x, kernel_size, stride, padding, dilation, ceil_mode)

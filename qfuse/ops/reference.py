@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from qfuse.kernels.common import GATED_ACTIVATIONS
-from qfuse.primitives import SCALE_EPS, divide
+from qfuse.kernels.conv.call import ConvCall
+from qfuse.kernels.gemm.call import GemmCall
+from qfuse.primitives import FP8_E4M3_MAX, SCALE_EPS, divide
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor, zero_point) -> torch.Tensor:
@@ -30,7 +31,7 @@ def quantize_fp8(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
     The clamp saturates (torch's own cast turns overflow into NaN); kernels do the same.
     """
-    return torch.clamp(x * inv_scale, -FP8_MAX, FP8_MAX).to(FP8)
+    return torch.clamp(x * inv_scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
 
 
 def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,8 @@ def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
     x = x.to(torch.float32)
     amax = x.abs().amax(dim=1)
     # A true division on every device (see primitives.divide): the kernel's div_rn is one too.
-    scale = torch.clamp(divide(amax, FP8_MAX if qdtype == FP8 else 127.5), min=SCALE_EPS)
+    scale = torch.clamp(divide(amax, FP8_E4M3_MAX if qdtype == FP8 else 127.5),
+                        min=SCALE_EPS)
     inv = torch.reciprocal(scale)[:, None]
     q = quantize_fp8(x, inv) if qdtype == FP8 else quantize_int8(x, inv, 0.0)
     return q, scale
@@ -134,46 +136,40 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def epilogue(
     acc: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    act: str,
-    residual: torch.Tensor | None,
-    out_inv_scale: torch.Tensor | None,
-    out_zero_point: torch.Tensor | None,
-    out_dtype: torch.dtype,
+    call: GemmCall | ConvCall,
+    residual: torch.Tensor | None = None,
     channel_dim: int = -1,
     row_scale: torch.Tensor | None = None,
-    post_act: str = "none",
 ) -> torch.Tensor:
-    """Accumulator -> scales, bias, activation, residual, post-activation, then int8/fp8 requant
-    or float.
+    """Accumulator -> ``call``'s scales, bias, activation, residual, post-activation, then
+    int8/fp8 requant or float.
 
     ``row_scale`` [M] (dynamic per-token activation scales, 2-D ``acc`` only) multiplies after the
-    per-channel scale, as the kernel does. ``post_act`` is applied after the residual add (a
-    ResNet block's ``+ identity -> relu``).
+    per-channel scale, as the kernel does. ``call.post_act`` is applied after the residual add
+    (a ResNet block's ``+ identity -> relu``).
     """
     shape = [1] * acc.dim()
     shape[channel_dim] = -1
-    y = acc.to(torch.float32) * scale.reshape(shape)
+    y = acc.to(torch.float32) * call.scale.reshape(shape)
     if row_scale is not None:
         y = y * row_scale[:, None]
-    if bias is not None:
-        y = y + bias.reshape(shape)
-    if act in GATED_ACTIVATIONS:  # interleaved [gate, up] channels -> act(gate) * up
+    if call.bias is not None:
+        y = y + call.bias.reshape(shape)
+    if call.act in GATED_ACTIVATIONS:  # interleaved [gate, up] channels -> act(gate) * up
         pair = channel_dim + 1 if channel_dim >= 0 else channel_dim
         gate, up = y.unflatten(channel_dim, (-1, 2)).unbind(pair)
-        y = ACTIVATIONS[GATED_ACTIVATIONS[act]](gate) * up
+        y = ACTIVATIONS[GATED_ACTIVATIONS[call.act]](gate) * up
     else:
-        y = ACTIVATIONS[act](y)
+        y = ACTIVATIONS[call.act](y)
     if residual is not None:
         y = y + residual.to(torch.float32)
-    y = ACTIVATIONS[post_act](y)
-    if out_dtype == torch.int8:
-        zp = out_zero_point.to(torch.float32) if out_zero_point is not None else 0.0
-        return quantize_int8(y, out_inv_scale, zp)
-    if out_dtype == FP8:
-        return quantize_fp8(y, out_inv_scale)
-    return y.to(out_dtype)
+    y = ACTIVATIONS[call.post_act](y)
+    if call.out_dtype == torch.int8:
+        zp = call.out_zero_point.to(torch.float32) if call.out_zero_point is not None else 0.0
+        return quantize_int8(y, call.out_inv_scale, zp)
+    if call.out_dtype == FP8:
+        return quantize_fp8(y, call.out_inv_scale)
+    return y.to(call.out_dtype)
 
 
 def _quantize_input(x, x_inv_scale, x_zero_point, qdtype=torch.int8):
@@ -185,68 +181,27 @@ def _quantize_input(x, x_inv_scale, x_zero_point, qdtype=torch.int8):
     return quantize_int8(x.to(torch.float32), x_inv_scale, zp)
 
 
-def qlinear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    x_inv_scale: torch.Tensor | None,
-    x_zero_point: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    out_inv_scale: torch.Tensor | None,
-    out_zero_point: torch.Tensor | None,
-    act: str,
-    out_dtype: torch.dtype,
-    x_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference of ``kernels.qgemm.qlinear`` on 2-D x [M, K] (int8 or fp8 ``weight``).
+def qlinear(x: torch.Tensor, call: GemmCall, x_scale: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``kernels.gemm.dispatch.qlinear`` on 2-D x [M, K] (int8 or fp8 weight).
 
-    Float ``x`` without ``x_inv_scale`` is quantized per token (dynamic); a quantized ``x`` may
-    bring its per-token scales in ``x_scale``. An asymmetric ``x`` (``x_zero_point``) is corrected
-    by ``- x_zero_point * weight_sum`` on the int32 accumulator when ``weight_sum`` is given;
-    without it the caller has folded that correction into ``bias`` (``nn.QLinear`` does).
+    Float ``x`` without ``call.x_inv_scale`` is quantized per token (dynamic); a quantized ``x``
+    may bring its per-token scales in ``x_scale``. An asymmetric ``x`` (``x_zero_point``) is
+    corrected by ``- x_zero_point * weight_sum`` on the int32 accumulator when ``weight_sum`` is
+    given; without it the caller has folded that correction into ``bias`` (``nn.QLinear`` does).
     """
-    if x.is_floating_point() and x.dtype != FP8 and x_inv_scale is None:
+    weight = call.weight
+    if x.is_floating_point() and x.dtype != FP8 and call.x_inv_scale is None:
         x, x_scale = quantize_per_token(x, weight.dtype)
-    xq = _quantize_input(x, x_inv_scale, x_zero_point, weight.dtype)
+    xq = _quantize_input(x, call.x_inv_scale, call.x_zero_point, weight.dtype)
     acc = fp8_matmul(xq, weight) if weight.dtype == FP8 else int_matmul(xq, weight)
-    if x_zero_point is not None and weight_sum is not None:
-        acc = acc - x_zero_point.to(torch.int32) * weight_sum[None, :]
-    return epilogue(
-        acc,
-        scale,
-        bias,
-        act,
-        residual,
-        out_inv_scale,
-        out_zero_point,
-        out_dtype,
-        channel_dim=-1,
-        row_scale=x_scale,
-    )
+    if call.x_zero_point is not None and call.weight_sum is not None:
+        acc = acc - call.x_zero_point.to(torch.int32) * call.weight_sum[None, :]
+    return epilogue(acc, call, residual, channel_dim=-1, row_scale=x_scale)
 
 
-def qconv2d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    x_inv_scale: torch.Tensor | None,
-    x_zero_point: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    out_inv_scale: torch.Tensor | None,
-    out_zero_point: torch.Tensor | None,
-    act: str,
-    out_dtype: torch.dtype,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-    post_act: str = "none",
-    residual_scale: torch.Tensor | None = None,
-    residual_zero_point: torch.Tensor | None = None,
-) -> torch.Tensor:
+def qconv2d(x: torch.Tensor, call: ConvCall, residual: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """int8 conv2d (NCHW) with int32 accumulation and the linear epilogue; fp8 weights give the
     fp8 conv (float64 sums of exact e4m3 products, rounded once to float32, as ``fp8_matmul``).
 
@@ -255,33 +210,21 @@ def qconv2d(
     ``residual`` (handed over by the conv that computed it) is ``(r - residual_zero_point) *
     residual_scale`` in float32 before the add.
     """
+    weight = call.weight
     if residual is not None and residual.dtype in (torch.int8, FP8):
         r = residual.to(torch.float32)
-        if residual_zero_point is not None:
-            r = r - residual_zero_point.to(torch.float32)
-        residual = r * residual_scale
+        if call.residual_zero_point is not None:
+            r = r - call.residual_zero_point.to(torch.float32)
+        residual = r * call.residual_scale
+    geometry = (call.stride, call.padding, call.dilation, call.groups)
     if weight.dtype == FP8:
-        q = _quantize_input(x, x_inv_scale, None, FP8).double()
-        acc = F.conv2d(q, weight.double(), None, stride, padding, dilation, groups).float()
-        return epilogue(
-            acc,
-            scale,
-            bias,
-            act,
-            residual,
-            out_inv_scale,
-            out_zero_point,
-            out_dtype,
-            channel_dim=1,
-            post_act=post_act,
-        )
-    reduction = weight.shape[1] * weight.shape[2] * weight.shape[3]
-    dtype = _exact_float_dtype(reduction, 256, 128)  # q - zp spans up to 255
-    q = _quantize_input(x, x_inv_scale, x_zero_point).to(dtype)
-    if x_zero_point is not None:
-        q = q - x_zero_point.to(dtype)
-    acc = F.conv2d(q, weight.to(dtype), None, stride, padding, dilation, groups).to(torch.int32)
-    return epilogue(
-        acc, scale, bias, act, residual, out_inv_scale, out_zero_point, out_dtype, channel_dim=1,
-        post_act=post_act,
-    )
+        q = _quantize_input(x, call.x_inv_scale, None, FP8).double()
+        acc = F.conv2d(q, weight.double(), None, *geometry).float()
+    else:
+        reduction = weight.shape[1] * weight.shape[2] * weight.shape[3]
+        dtype = _exact_float_dtype(reduction, 256, 128)  # q - zp spans up to 255
+        q = _quantize_input(x, call.x_inv_scale, call.x_zero_point).to(dtype)
+        if call.x_zero_point is not None:
+            q = q - call.x_zero_point.to(dtype)
+        acc = F.conv2d(q, weight.to(dtype), None, *geometry).to(torch.int32)
+    return epilogue(acc, call, residual, channel_dim=1)

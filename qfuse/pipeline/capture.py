@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import operator
 import os
+import sys
 import warnings
 
 import torch
@@ -121,7 +123,7 @@ def capture(
     check_gemm_input_dtypes(gm)
     warn_pinned_batch(gm, dynamic_shapes if dynamic_shapes_given else None)
     follow_input_device(gm)
-    guard_inputs(gm)
+    guard_inputs(gm, program.example_inputs)
     canonicalize_gemms(gm)
     guard_input_types(gm)  # another dtype or device: a QFuseError naming the input
     return gm
@@ -129,13 +131,19 @@ def capture(
 
 # Loggers that print export's shape specialisations ("0/1 specialized") and fake-tensor
 # tracebacks of a failed capture on stderr; qfuse reports what matters as a warning or error.
+_log = logging.getLogger(__name__)
 _NOISY_LOGGERS = ("torch._export", "torch.export", "torch._subclasses.fake_tensor",
                   "torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch._functorch")
 
 
 @contextlib.contextmanager
 def quiet_torch_logs():
-    """Silence torch's capture logs unless asked for (``TORCH_LOGS`` or ``QFUSE_VERBOSE=1``)."""
+    """Silence torch's capture logs unless asked for (``TORCH_LOGS`` or ``QFUSE_VERBOSE=1``).
+
+    A failed export also prints its partial FX graph on stderr (``torch/export/_trace.py``, a
+    plain ``print``: 20 lines for a two-op model) before the ``CaptureError`` that names the
+    problem; that graph goes to the ``qfuse.pipeline.capture`` logger at DEBUG instead. Whatever
+    else export writes on stderr (warnings) is passed on."""
     if os.environ.get("TORCH_LOGS") or os.environ.get("QFUSE_VERBOSE") == "1":
         yield
         return
@@ -143,14 +151,22 @@ def quiet_torch_logs():
     saved = [lg.level for lg in loggers]
     for lg in loggers:  # children without a level of their own follow (effective level)
         lg.setLevel(logging.CRITICAL)
+    stderr = io.StringIO()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stderr(stderr):
             # nn.LSTM's flat weights: export's advice is for the module's author, not our user
             warnings.filterwarnings("ignore", message=".*were assigned during export")
             yield
+    except Exception as exc:
+        graph = str(getattr(exc, "partial_fx_graph", "") or "")
+        if graph and graph in stderr.getvalue():
+            _log.debug("the partial graph of the failed capture:\n%s", graph)
+            stderr = io.StringIO(stderr.getvalue().replace(graph + "\n", ""))  # printed twice
+        raise
     finally:
         for lg, level in zip(loggers, saved, strict=True):
             lg.setLevel(level)
+        sys.stderr.write(stderr.getvalue().strip("\n") + "\n" if stderr.getvalue().strip() else "")
 
 
 def _shapes(tree) -> str:
@@ -172,30 +188,36 @@ def _eager_failure(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
 
 @contextlib.contextmanager
 def without_cache(model: nn.Module, kwargs: dict):
-    """Capture a KV-cache model (transformers' ``use_cache`` / ``past_key_values``) without its
-    cache: cache objects (``DynamicCache``, ``StaticCache``) are not tensors export can return,
-    and the quantized layers are the same with or without one. Generation runs on
-    ``qfuse.convert(prepared, output="model")``, the model's own class, whose forward keeps its
-    caches. Yields the kwargs to capture with; ``config.use_cache`` is restored afterwards."""
-    params = inspect.signature(model.forward).parameters
+    """Capture a KV-cache model (transformers' ``use_cache`` / ``past_key_values`` / ``cache``)
+    without its cache: cache objects (``DynamicCache``, ``EncoderDecoderCache``) are not tensors
+    export can return, and the quantized layers are the same with or without one. Generation runs
+    on ``qfuse.convert(prepared, output="model")``, the model's own class, whose forward keeps its
+    caches. Yields the kwargs to capture with; every ``config.use_cache`` is restored afterwards.
+
+    Every config in the model is switched off, not only the top one: T5's decoder stack holds a
+    copy of the config and, given ``use_cache=None``, built an ``EncoderDecoderCache`` from it."""
     kwargs = dict(kwargs)
-    dropped = [k for k in ("past_key_values", "use_cache") if kwargs.pop(k, None) is not None]
-    if "past_key_values" in dropped:
+    # "cache": transformers 5's new name of past_key_values (T5); a tensor is a model's own input
+    dropped = [k for k in ("past_key_values", "cache", "use_cache") if kwargs.get(k) is not None
+               and not (k == "cache" and isinstance(kwargs[k], torch.Tensor))]
+    for k in dropped:
+        del kwargs[k]
+    for name in [k for k in dropped if k != "use_cache"]:
         warnings.warn(
-            "qfuse.prepare: past_key_values was dropped; the graph is captured without a KV "
+            f"qfuse.prepare: {name} was dropped; the graph is captured without a KV "
             "cache (qfuse.convert(prepared, output='model') keeps the model's cache handling).",
             stacklevel=4,
         )
-    config = getattr(model, "config", None)
-    if "use_cache" not in params or not hasattr(config, "use_cache"):
-        yield kwargs
-        return
-    saved = config.use_cache
-    config.use_cache = False
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "use_cache")}
+    saved = {key: config.use_cache for key, config in configs.items()}
+    for config in configs.values():
+        config.use_cache = False
     try:
         yield kwargs
     finally:
-        config.use_cache = saved
+        for key, config in configs.items():
+            config.use_cache = saved[key]
 
 
 def _example_device(gm: fx.GraphModule) -> torch.device | None:
@@ -256,8 +278,8 @@ def inline_grad_wrappers(gm: fx.GraphModule) -> int:
     torch 2.11's export wraps a ``with torch.no_grad():`` block of the model's forward (Llama's
     rotary embedding) in that higher-order op around a submodule with its own graph, out of
     ``follow_input_device``'s reach: a Llama converted on the CPU failed on the GPU with "Tensor
-    device mismatch! Expected: cpu" (H100, 2026-11-25). On torch 2.13 the zoo's Llama captures
-    without one, but the module of the example below still gets one.
+    device mismatch! Expected: cpu". On torch 2.13 the zoo's Llama captures without one, but
+    the module of the example below still gets one.
 
     Example:
         >>> class M(torch.nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from qfuse.errors import UnsupportedError
+from qfuse.errors import UnsupportedError, check_version
 
 PIPELINE_VERSION = 1
 
@@ -56,14 +56,9 @@ class PipelineOptions:
     def from_dict(cls, data: dict) -> PipelineOptions:
         """The options of ``to_dict``; options a version-1 dict lacks take their defaults."""
         data = dict(data)
-        version = data.pop("version", None)
-        if not isinstance(version, int) or version < 1:
-            raise UnsupportedError(f"PipelineOptions version {version!r} is not a valid version.")
-        if version > PIPELINE_VERSION:
-            raise UnsupportedError(
-                f"PipelineOptions version {version} is newer than this qfuse understands "
-                f"({PIPELINE_VERSION}); upgrade qfuse."
-            )
+        check_version(
+            data.pop("version", None), PIPELINE_VERSION, "PipelineOptions version", UnsupportedError
+        )
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise UnsupportedError(

@@ -100,6 +100,10 @@ def _groups(ctx, result) -> list:
     return [list(g) for g in result]
 
 
+def _sorted(ctx, result) -> list:
+    return sorted(result)
+
+
 def _pooled(ctx, result) -> list[str]:
     """The fused convs whose output a max-pool reads quantized (producer paths)."""
     return sorted(
@@ -109,71 +113,52 @@ def _pooled(ctx, result) -> list[str]:
     )
 
 
+def _on_graph(rewrite: Callable[[fx.GraphModule], object]) -> Callable[[PassContext], object]:
+    """The ``apply`` of a pass that needs nothing but the graph."""
+    return lambda ctx: rewrite(ctx.gm)
+
+
+def _merge(name: str, merge: Callable) -> GraphPass:
+    """A capture-stage merge: switched by the option of its own name, and on replay merging
+    exactly the groups it recorded."""
+    return GraphPass(
+        name,
+        CAPTURE,
+        apply=lambda ctx: merge(ctx.gm, ctx.recorded(name)),
+        record=_groups,
+        option=name,
+    )
+
+
 # Not on a train-mode graph: QAT trains Conv2d + BatchNorm on simulated folded weights
 # (qfuse.flows.qat.conv_bn), and its lowering folds them with the trained statistics.
 register(
     GraphPass(
         "fold_batchnorm",
         CAPTURE,
-        apply=lambda ctx: fold_batchnorm(ctx.gm),
+        apply=_on_graph(fold_batchnorm),
         record=lambda ctx, result: list(result),
         in_training=False,
     )
 )
+register(_merge("merge_gated", merge_gated_linears))
+register(_merge("merge_siblings", merge_sibling_linears))
 register(
-    GraphPass(
-        "merge_gated",
-        CAPTURE,
-        apply=lambda ctx: merge_gated_linears(ctx.gm, ctx.recorded("merge_gated")),
-        record=_groups,
-        option="merge_gated",
-    )
+    GraphPass("fuse_chains", FUSED, apply=lambda ctx: fuse_chains(ctx.gm, ctx.chains, ctx.modules))
 )
 register(
-    GraphPass(
-        "merge_siblings",
-        CAPTURE,
-        apply=lambda ctx: merge_sibling_linears(ctx.gm, ctx.recorded("merge_siblings")),
-        record=_groups,
-        option="merge_siblings",
-    )
+    GraphPass("fuse_pools", FUSED, _on_graph(fuse_maxpool_quant), _pooled, option="fuse_pools")
 )
 register(
-    GraphPass(
-        "fuse_chains",
-        FUSED,
-        apply=lambda ctx: fuse_chains(ctx.gm, ctx.chains, ctx.modules),
-    )
-)
-register(
-    GraphPass(
-        "fuse_pools",
-        FUSED,
-        apply=lambda ctx: fuse_maxpool_quant(ctx.gm),
-        record=_pooled,
-        option="fuse_pools",
-    )
-)
-register(
-    GraphPass(
-        "fuse_norms",
-        FUSED,
-        apply=lambda ctx: fuse_layernorm_quant(ctx.gm),
-        record=lambda ctx, result: sorted(result),
-        option="fuse_norms",
-    )
+    GraphPass("fuse_norms", FUSED, _on_graph(fuse_layernorm_quant), _sorted, option="fuse_norms")
 )
 # Inference clean-ups: torch 2.11 export's no_grad subgraphs, then view ops as tensor methods and
 # no all-ones masks (eager host time).
-register(GraphPass("inline_grad_wrappers", FUSED, apply=lambda ctx: inline_grad_wrappers(ctx.gm)))
-register(GraphPass("eager_rewrites", FUSED, apply=lambda ctx: eager_rewrites(ctx.gm)))
+register(GraphPass("inline_grad_wrappers", FUSED, _on_graph(inline_grad_wrappers)))
+register(GraphPass("eager_rewrites", FUSED, _on_graph(eager_rewrites)))
 # After eager_rewrites: the fused attention reads the mask through drop_full_mask as SDPA did.
 register(
     GraphPass(
-        "fuse_attention",
-        FUSED,
-        apply=lambda ctx: fuse_attention_quant(ctx.gm),
-        record=lambda ctx, result: sorted(result),
-        option="fuse_attention",
+        "fuse_attention", FUSED, _on_graph(fuse_attention_quant), _sorted, option="fuse_attention"
     )
 )

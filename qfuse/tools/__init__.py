@@ -5,9 +5,31 @@
 (``qfuse sweep`` on the command line). Nothing below ``qfuse/tools`` imports from here.
 """
 
-from qfuse.tools.recipes import RecipeError, SweepSpec, load_spec, register_recipe
-from qfuse.tools.search import Candidate, SearchResult, SearchSpace, search
-from qfuse.tools.sweep import CONFIGS, run_sweep
+import importlib
+
+# Name -> its module, imported on first access: the command line reads ``tools.recipes`` (no
+# flows) to print its help; the search and the sweep load the flows and the ops (PEP 562).
+_LAZY = {
+    "RecipeError": "qfuse.tools.recipes",
+    "SweepSpec": "qfuse.tools.recipes",
+    "load_spec": "qfuse.tools.recipes",
+    "register_recipe": "qfuse.tools.recipes",
+    "Candidate": "qfuse.tools.search",
+    "SearchResult": "qfuse.tools.search",
+    "SearchSpace": "qfuse.tools.search",
+    "search": "qfuse.tools.search",
+    "CONFIGS": "qfuse.tools.sweep",
+    "run_sweep": "qfuse.tools.sweep",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'qfuse.tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CONFIGS",

@@ -1,9 +1,9 @@
-"""CPU smoke run of bench/calib_large.py at tiny size (the device runs the 7B shape)."""
+"""CPU smoke run of bench/models/calib_large.py at tiny size (the device runs the 7B shape)."""
 
 import json
 import sys
 
-from bench import calib_large
+from bench.models import calib_large
 
 
 def test_tiny_sequential_run_writes_json_and_table(tmp_path, monkeypatch, capsys):

@@ -166,13 +166,17 @@ def on_cuda(case: Case) -> tuple[fx.GraphModule, list[tuple[tuple, dict]]]:
     return qmodel, [pytree.tree_map(move, run) for run in case.runs()]
 
 
-# The child shares nothing with the test process: it imports qfuse (which registers the qfuse::
-# ops), then for each job imports the modules the file's input/output classes live in, loads the
-# file with LOADERS[kind], runs each saved input and saves the flattened outputs.
+# The child shares nothing with the test process: it imports qfuse (torch.ops.qfuse registers
+# the qfuse:: ops when torch.export.load looks one up; TorchScript's loader needs qfuse.nn
+# imported), then for each job imports the modules the file's input/output classes live in,
+# loads the file with LOADERS[kind], runs each saved input and saves the flattened outputs.
 CHILD = """
 import importlib, sys, torch, qfuse
 from torch.utils import _pytree as pytree
-LOADERS = {"torchscript": torch.jit.load, "program": lambda p: torch.export.load(p).module()}
+def jit_load(path):
+    importlib.import_module("qfuse.nn")  # the C++ loader finds ops registered, past torch.ops
+    return torch.jit.load(path)
+LOADERS = {"torchscript": jit_load, "program": lambda p: torch.export.load(p).module()}
 results = []
 for job in torch.load(sys.argv[1]):
     for name in job["imports"]:

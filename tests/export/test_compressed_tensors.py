@@ -257,6 +257,28 @@ def test_output_model_exports_the_same_checkpoint(case, tmp_path):
         assert json.load(f) == json.load(g)
 
 
+def test_a_model_without_a_module_its_config_builds_exports_what_it_has(tmp_path):
+    """``BertModel(config, add_pooling_layer=False)``, swapped: the export rebuilds the
+    architecture from the config, which has a pooler; the model has none, so the folder has
+    none (it was refused: "holds no tensor for ['pooler.dense.weight', ...]"), and transformers
+    loads it as the model was built."""
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (), {"input_ids": ids})
+    prepared(input_ids=ids)
+    swapped = qfuse.convert(prepared, output="model")
+    qfuse.export_compressed_tensors(swapped, tmp_path / "ct")
+    assert not [k for k in load_file(tmp_path / "ct" / "model.safetensors") if "pooler" in k]
+    back = transformers.BertModel.from_pretrained(tmp_path / "ct", add_pooling_layer=False)
+    with torch.no_grad():
+        want = swapped(input_ids=ids).last_hidden_state
+        got = back(input_ids=ids).last_hidden_state
+    assert (got - want).abs().max() <= BOUND["int8_static"] * want.abs().max()
+
+
 def test_a_model_from_qfuse_load_exports_with_its_float_model(tmp_path, tmp_path_factory):
     case = _get_case("bert", "int8_static", tmp_path_factory)
     qfuse.save(case.qmodel, tmp_path / "q.safetensors")

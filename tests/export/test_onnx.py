@@ -24,9 +24,11 @@ from torch import nn
 
 import qfuse
 from qfuse.errors import CaptureError, QFuseError, UnsupportedError
+from tests.optional import needs
 
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
+onnx = needs("onnx")
+ort = needs("onnxruntime")
+needs("onnxscript")  # torch.onnx.export's translation
 from qfuse.export.onnx import optimized_ops, session_options  # noqa: E402
 
 LINEAR_RTOL, LINEAR_MAX_RTOL, CONV_RTOL = 1e-5, 1e-2, 2e-2
@@ -243,7 +245,7 @@ def minilm():
     st = gt.load_model(device="cpu")
     bert = st[0].auto_model.eval()
     # the real weights of the first two of six layers: the same layer types, a third of the
-    # export time (the whole model runs in bench/bench_onnx.py)
+    # export time (the whole model runs in bench/models/bench_onnx.py)
     bert.encoder.layer = bert.encoder.layer[:2]
     tok = st.tokenizer(["The quick brown fox jumps over the lazy dog.", "Int8 all the way."],
                        padding=True, return_tensors="pt")

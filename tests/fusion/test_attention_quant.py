@@ -12,6 +12,7 @@ import torch
 import qfuse
 from qfuse.ops.attention import INTERPRETED, attention_quant_call
 from tests.models import tiny_bert, token_batch
+from tests.optional import reason
 
 transformers = pytest.importorskip("transformers")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -110,7 +111,7 @@ def test_save_load_and_export_round_trip(converted, tmp_path):
 
 
 def test_onnx_writes_float_attention_then_quantize(converted, tmp_path):
-    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime", reason=reason("onnxruntime"))
     from tests.export.test_onnx import run_ort
 
     fused, _ = converted

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 from torch import fx, nn
 
 import qfuse
@@ -21,6 +19,7 @@ from qfuse.fusion.patterns import find_chains
 from qfuse.fusion.rewrite import fuse_chains
 from qfuse.pipeline.capture import capture
 from tests.models import randomize_batchnorm, sqnr_db
+from tests.optional import HealthCheck, Phase, given, settings, st
 
 
 class Wired(nn.Module):

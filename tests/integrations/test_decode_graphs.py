@@ -10,18 +10,14 @@ update does not; ineligible calls take the fallback; copies and pickles carry no
 import copy
 import gc
 import pickle
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import generate_parity  # noqa: E402
-
+from bench.models import generate_parity  # noqa: E402
 from qfuse.integrations import decode_graphs  # noqa: E402
 from qfuse.integrations.decode_graphs import DecodeGraphs  # noqa: E402
 

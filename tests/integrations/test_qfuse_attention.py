@@ -7,11 +7,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import qfuse
-from qfuse.integrations import attention
+from tests.optional import reason
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason=reason("transformers", None))
+
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+import qfuse  # noqa: E402
+from qfuse.integrations import attention  # noqa: E402
 
 VOCAB, NEW = 96, 8
 GREEDY = dict(cache_implementation="static", max_new_tokens=NEW, do_sample=False, pad_token_id=0)

@@ -26,7 +26,7 @@ if CHILD:
 
     from qfuse.kernels import quantize
     from qfuse.kernels.common import ACTIVATION_CODES
-    from qfuse.kernels.gemm import mma as mma_gemm
+    from qfuse.kernels.gemm.kernel import _qlinear_kernel
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -77,10 +77,10 @@ def compile_qlinear(variant) -> dict:
         HAS_OUT_ZP=out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False,
         FAST_ACT=act in ("silu", "swiglu", "geglu"),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
-        EPI_SPLIT=2 if act == "gelu" else 1,
+        EPI_SPLIT=2 if act == "gelu" else 1, PERSISTENT=persistent, TMA=False, DECODE=False,
+        WORDS=False, EVEN_K=False, X_WORDS=False, PDL=False,
     )
-    fn = mma_gemm._qlinear_persistent_kernel if persistent else mma_gemm._qlinear_kernel
-    kernel = compile_sm90(fn, qgemm_pointers(w, x, out, acc), constexprs,
+    kernel = compile_sm90(_qlinear_kernel, qgemm_pointers(w, x, out, acc), constexprs,
                           num_warps=warps, num_stages=stages)
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "bm": bm,

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from qfuse.kernels.conv import implicit as conv
+from qfuse.kernels.conv.call import ConvCall, output_size
 from qfuse.ops import reference
 from qfuse.testing import (
     ACT_SLOPE,
@@ -23,6 +22,7 @@ from qfuse.testing import (
     fp8_accumulation,
     output_excess,
 )
+from tests.optional import given, settings, st
 
 FP8 = torch.float8_e4m3fn
 
@@ -45,7 +45,7 @@ def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, paddin
         x = reference._quantize_input(x, x_inv, x_zp, qdtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    oh, ow = conv.output_size(*hw, (k, k), [stride] * 2, [padding] * 2, [dilation] * 2)
+    oh, ow = output_size(*hw, (k, k), [stride] * 2, [padding] * 2, [dilation] * 2)
     reduction = (c_in // groups) * k * k
     # Scales that put the float result around 1, where every activation bends.
     scale = (torch.rand(c_out, generator=g) + 0.5) * (2.0 / (40.0 * 64 * reduction**0.5))
@@ -80,11 +80,23 @@ def make_case(device, *, n=2, c_in=8, c_out=16, hw=(6, 5), k=3, stride=1, paddin
     return {k_: v.to(device) if isinstance(v, torch.Tensor) else v for k_, v in args.items()}
 
 
+def split(args: dict) -> tuple:
+    """``(x, call, residual)`` of a ``make_case`` dict (``ConvCall``'s fields and the per-call
+    ``x`` and ``residual``, by name), as the kernels and the reference take them."""
+    fields = {k: v for k, v in args.items() if k not in ("x", "residual")}
+    return args["x"], ConvCall(**fields), args["residual"]
+
+
+def run(args: dict, **kw) -> torch.Tensor:
+    """The kernels on a ``make_case`` dict."""
+    return conv.qconv2d(*split(args), **kw)
+
+
 def check(args, **kw) -> None:
-    out = conv.qconv2d(**args, **kw)
+    out = run(args, **kw)
     on_gpu = out.is_cuda
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    ref = reference.qconv2d(**cpu)
+    ref = reference.qconv2d(*split(cpu))
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert out.is_contiguous(memory_format=torch.channels_last)
     out = out.cpu()
@@ -211,7 +223,7 @@ def test_shape_fuzz(n, c_in, c_out, h, w, k, stride, dilation, depthwise, qdtype
 
 def test_empty_batch(device):
     args = make_case(device, n=0)
-    assert conv.qconv2d(**args).shape == (0, 16, 6, 5)
+    assert run(args).shape == (0, 16, 6, 5)
 
 
 REAL_SHAPES = [

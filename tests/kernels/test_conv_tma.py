@@ -1,5 +1,5 @@
 """``kernels.conv_tma`` (1x1 stride-1 convs as a descriptor GEMM, split-K) against
-``ops.reference.qconv2d``, and ``conv.qconv2d``'s routing to it.
+``ops.reference.qconv2d``, and ``implicit.qconv2d``'s routing to it.
 
 Under the interpreter (CPU, CI) descriptor loads zero-fill past the edges as the copy engine does;
 tiny shapes with ragged M, C_out and K, split-K 1 and 2-3 (so the workspace reduce runs).
@@ -16,7 +16,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.kernels.conv import implicit as conv
 from qfuse.kernels.conv import tma as conv_tma
 from qfuse.kernels.conv.tma import Conv1x1Config
-from tests.kernels.test_conv import FP8, check, make_case
+from tests.kernels.test_conv import FP8, check, make_case, run, split
 
 ONE = dict(k=1, padding=0)
 # 16x32x32 tiles over M = 35 (ragged), C_out = 40 (ragged), K = 96 (3 K steps) or 48 (ragged)
@@ -44,7 +44,7 @@ def calls(monkeypatch):
     real = conv_tma.conv1x1
 
     def spy(*args, **kw):
-        seen.append(kw.get("config", args[14] if len(args) > 14 else None))
+        seen.append(kw.get("config", args[4] if len(args) > 4 else None))
         return real(*args, **kw)
 
     monkeypatch.setattr(conv_tma, "conv1x1", spy)
@@ -89,23 +89,23 @@ def test_other_convs_stay_on_the_implicit_gemm(calls, spec):
     check(args)
     assert calls == []
     with pytest.raises(UnsupportedError, match="conv1x1_path='tma'"):
-        conv.qconv2d(**args, conv1x1_path="tma")
+        run(args, conv1x1_path="tma")
 
 
 def test_forced_paths_agree(calls):
     args = make_case("cpu", **{**SMALL, "c_in": 32}, residual="quantized", zp=True)
-    mma = conv.qconv2d(**args, conv1x1_path="mma")
+    mma = run(args, conv1x1_path="mma")
     assert calls == []
-    tma = conv.qconv2d(**args, conv1x1_path="tma", config=cfg(2))
+    tma = run(args, conv1x1_path="tma", config=cfg(2))
     assert calls == [cfg(2)]
     assert torch.equal(mma, tma)
     # a ConvConfig pins the implicit GEMM; a Conv1x1Config fits nothing else
-    conv.qconv2d(**args, config=conv.ConvConfig(32, 32, 32, 4, 1))
+    run(args, config=conv.ConvConfig(32, 32, 32, 4, 1))
     assert len(calls) == 1
     with pytest.raises(UnsupportedError, match="Conv1x1Config"):
-        conv.qconv2d(**args, config=cfg(1), conv1x1_path="mma")
+        run(args, config=cfg(1), conv1x1_path="mma")
     with pytest.raises(UnsupportedError, match="conv1x1_path='gemm'"):
-        conv.qconv2d(**args, conv1x1_path="gemm")
+        run(args, conv1x1_path="gemm")
 
 
 def test_traced_route_is_the_opaque_op(calls):
@@ -113,14 +113,12 @@ def test_traced_route_is_the_opaque_op(calls):
     ``qfuse::tma_conv1x1`` with the schedule as integers; the op's fake agrees with its body."""
     args = make_case("cpu", **{**SMALL, "c_in": 32}, x_quantized=True, residual="quantized",
                      zp=True, act="relu", post_act="relu")
-    assert torch.equal(conv.qconv2d(**args, launcher=lambda k: k),
-                       conv.qconv2d(**args, conv1x1_path="mma"))
+    assert torch.equal(run(args, launcher=lambda k: k),
+                       run(args, conv1x1_path="mma"))
     assert calls == [conv_tma.INTERPRETER_CONFIG]  # rebuilt from the op's integer list
     wsum = args["weight"].to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
-    op_args = (args["x"], args["weight"], args["scale"], args["bias"], args["x_zero_point"],
-               wsum, args["residual"], args["residual_scale"], args["residual_zero_point"],
-               args["out_inv_scale"], args["out_zero_point"], "relu", "relu", torch.int8,
-               [32, 32, 32, 4, 1, 2, 8, 0, 2])
+    x, call, residual = split(args)
+    op_args = (*call.op_args(x, residual), wsum, [32, 32, 32, 4, 1, 2, 8, 0, 2])
     torch.library.opcheck(torch.ops.qfuse.tma_conv1x1, op_args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -208,11 +206,9 @@ def test_gpu_compiled_route_matches_eager(calls, qdtype):
 
     a = make_case("cuda", n=32, c_in=2048, c_out=512, hw=(7, 7), qdtype=qdtype, act="relu",
                   out_dtype=qdtype, residual="quantized", **ONE)
-    pos = (a["x"], a["weight"], a["scale"], a["bias"], a["x_inv_scale"], a["x_zero_point"],
-           a["residual"], a["out_inv_scale"], a["out_zero_point"], a["act"], a["out_dtype"],
-           a["stride"], a["padding"], a["dilation"], a["groups"], a["post_act"],
-           a["residual_scale"], a["residual_zero_point"])
-    eager = conv.qconv2d(**a)
+    x, call, residual = split(a)
+    pos = call.op_args(x, residual)
+    eager = run(a)
     n_eager = len(calls)
     compiled = torch.compile(lambda *p: torch.ops.qfuse.qconv2d(*p), fullgraph=True)
     out = compiled(*pos)

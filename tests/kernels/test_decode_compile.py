@@ -1,8 +1,8 @@
-"""The decode kernel compiled for Hopper (sm_90) without a GPU, as a real launch specializes it
+"""The decode schedule compiled for Hopper (sm_90) without a GPU, as a real launch specializes it
 (16-byte aligned pointers, sizes and row strides multiples of 16, unit strides constant): the
 weights must stream in 16-byte vector loads, int8 through ``dp4a``, with no register spills.
 
-These are the properties the kernel's speed rests on (``kernels/decode_gemm.py``), and the ones
+These are the properties the kernel's speed rests on (``kernels/gemm/decode.py``), and the ones
 the interpreter cannot see: before the row starts were formed in bytes, the int8 words were read
 by scalar 4-byte loads. Compiled in a child process, as in test_compile.py.
 """
@@ -36,16 +36,16 @@ def compile_decode(variant) -> dict:
     from test_compile import TARGET, qgemm_pointers
 
     from qfuse.kernels.common import ACTIVATION_CODES
-    from qfuse.kernels.gemm import decode as decode_gemm
+    from qfuse.kernels.gemm.kernel import _qlinear_kernel as fn
 
     w, x, out, xq, act, out_q, (bm, bn, bk), split, words = variant
-    fn = decode_gemm._qlinear_decode_kernel
     names = list(inspect.signature(fn.fn).parameters)
     constexprs = dict(
         FP8="fp8" in w, X_QUANTIZED=xq, X_INV_VEC=False, X_ROW_SCALE=False, HAS_X_ZP=False,
         ZP_CORR=False, HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=True, OUT_Q=out_q,
         HAS_OUT_ZP=False, OUT_MANT=0, OUT_EMIN=0, EXACT=False, FAST_ACT=False, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split, EPI_SPLIT=1, WORDS=words, EVEN_K=True,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SPLIT_K=split, EPI_SPLIT=1, PERSISTENT=False,
+        TMA=False, DECODE=True, WORDS=words, EVEN_K=True,
         X_WORDS=words and xq, PDL=True,  # as sm_90 launches it (``grid.pdl``)
         stride_xk=1, stride_wk=1, stride_rn=1, stride_on=1,  # Triton specializes 1 as constant
     )

@@ -1,4 +1,4 @@
-"""The decode kernel (``kernels/decode_gemm.py``: ``_qlinear_decode_kernel``) against the
+"""The decode schedule (``kernels/gemm/decode.py``, ``DECODE`` of ``_qlinear_kernel``) against the
 reference, as in test_qgemm: int8 bit-exact, fp8 within its float32 accumulation.
 
 Shapes cover M = 1 and a few rows over several row blocks, odd N (a partial column block,
@@ -12,11 +12,10 @@ import dataclasses
 import pytest
 import torch
 from test_gated_epilogue import gated_case
-from test_qgemm import FP8, check, make_case
+from test_qgemm import FP8, check, make_case, run
 
 from qfuse.kernels import grid, schedules
 from qfuse.kernels.gemm import decode as decode_gemm
-from qfuse.kernels.gemm import dispatch as qgemm
 from qfuse.kernels.schedules import GemmConfig
 
 
@@ -48,8 +47,7 @@ def test_decode_schedules(device, name, qdtype, K):
             check(make_case(3, K, 21, device, x_mode=x_mode, act="gelu", out_dtype=torch.int8,
                             zp=True), cfg)
     a = make_case(2, K, 24, device, qdtype=qdtype, out_dtype=torch.int8, seed=3)
-    torch.testing.assert_close(qgemm.qlinear(**a, config=cfg), qgemm.qlinear(**a, config=cfg),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(run(a, config=cfg), run(a, config=cfg), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cfg", [decode(1, 2, 64), decode(2, 4, 32)],
@@ -95,9 +93,9 @@ def test_decode_words_need_aligned_rows(device):
     w, x = _unaligned(args["weight"]), _unaligned(args["x"])
     words = decode_gemm.words
     assert not words(w) and words(args["weight"]) and words(args["x"])
-    want = qgemm.qlinear(**args, config=decode(2, 8, 32))
+    want = run(args, config=decode(2, 8, 32))
     for changed in ({"weight": w}, {"x": x}, {"weight": w, "x": x}):
-        torch.testing.assert_close(qgemm.qlinear(**args | changed, config=decode(2, 8, 32)), want,
+        torch.testing.assert_close(run(args | changed, config=decode(2, 8, 32)), want,
                                    rtol=0, atol=0)
 
 
@@ -138,7 +136,7 @@ def _chain(layers, h, cfg, wrap=None):
     """Decode GEMMs back to back, each reading the previous one's output (and a residual two
     launches back): what a programmatic dependent launch must wait for."""
     for a in layers:
-        h = qgemm.qlinear(**(a | {"x": h, "residual": h}), config=cfg, wrap=wrap)
+        h = run(a | {"x": h, "residual": h}, config=cfg, wrap=wrap)
     return h
 
 

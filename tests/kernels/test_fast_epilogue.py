@@ -12,24 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfuse.kernels.gemm import dispatch as qgemm
-from qfuse.ops import reference
-from tests.kernels.test_qgemm import make_case
+from tests.kernels.test_qgemm import make_case, reference_out, run
 
 HEAVY = ("gelu", "gelu_tanh", "silu")
-
-
-def _ref(args):
-    return reference.qlinear(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
-                                for k, v in args.items()})
 
 
 @pytest.mark.parametrize("act", HEAVY)
 @pytest.mark.parametrize("M", [1, 37, 96])
 def test_int8_outputs_within_one_step(act, M, device):
     args = make_case(M, 64, 80, device, act=act, out_dtype=torch.int8, seed=M)
-    fast = qgemm.qlinear(**args, fast_act=True).cpu()
-    ref = _ref(args)
+    fast = run(args | {"fast_act": True}).cpu()
+    ref = reference_out(args)
     diff = (fast.int() - ref.int()).abs()
     assert diff.max() <= 1
     assert (diff > 0).float().mean() < 0.01
@@ -38,14 +31,14 @@ def test_int8_outputs_within_one_step(act, M, device):
 @pytest.mark.parametrize("act", HEAVY)
 def test_float_outputs_close(act, device):
     args = make_case(33, 64, 48, device, act=act, out_dtype=torch.float32, residual=True)
-    fast = qgemm.qlinear(**args, fast_act=True).cpu()
-    torch.testing.assert_close(fast, _ref(args), rtol=1e-5, atol=1e-5)
+    fast = run(args | {"fast_act": True}).cpu()
+    torch.testing.assert_close(fast, reference_out(args), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("act", ["none", "relu"])
 def test_light_epilogues_stay_exact(act, device):
     args = make_case(17, 64, 48, device, act=act, out_dtype=torch.int8)
-    assert torch.equal(qgemm.qlinear(**args, fast_act=True).cpu(), _ref(args))
+    assert torch.equal(run(args | {"fast_act": True}).cpu(), reference_out(args))
 
 
 def test_exact_epilogue_is_the_module_default_off_gpu_and_an_option_on_it():

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from qfuse.kernels.pool import max_pool2d
 from qfuse.ops.pool import max_pool2d_call
+from tests.optional import given, settings, st
 
 FP8 = torch.float8_e4m3fn
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from qfuse.kernels.gemm import dispatch as qgemm
+from qfuse.kernels.gemm.call import GemmCall
 from qfuse.kernels.schedules import GemmConfig
 from qfuse.ops import reference
+from tests.optional import given, settings, st
 
 FP8 = torch.float8_e4m3fn
 ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
@@ -27,7 +27,8 @@ OUTS = (torch.int8, FP8, *FLOAT_OUTS)
 
 def make_case(M, K, N, device, *, qdtype=torch.int8, x_mode="static", zp=False, act="none",
               residual=False, out_dtype=torch.float32, bias=True, seed=0):
-    """Random inputs for one qlinear call (keyword names of ``kernels.qgemm.qlinear``).
+    """Random inputs for one qlinear call, by name: ``GemmCall``'s fields and the per-call
+    ``x``, ``x_scale`` and ``residual`` (``split`` makes the call).
 
     ``x_mode``: "static" (float x, per-tensor scale), "channels" (float x, one inverse scale per
     input channel: SmoothQuant's prologue), "quantized" (int8/fp8 x), "dynamic" (float x,
@@ -73,6 +74,23 @@ def make_case(M, K, N, device, *, qdtype=torch.int8, x_mode="static", zp=False, 
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
+def split(args: dict) -> tuple:
+    """``(x, call, x_scale, residual)`` of a ``make_case`` dict, as the kernels take them."""
+    fields = {k: v for k, v in args.items() if k not in ("x", "x_scale", "residual")}
+    return args["x"], GemmCall(**fields), args["x_scale"], args["residual"]
+
+
+def run(args: dict, **kw) -> torch.Tensor:
+    """The kernel on a ``make_case`` dict."""
+    return qgemm.qlinear(*split(args), **kw)
+
+
+def reference_out(args: dict) -> torch.Tensor:
+    """The CPU reference on a ``make_case`` dict."""
+    return reference.qlinear(*split({k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                     for k, v in args.items()}))
+
+
 def dequant(t: torch.Tensor, args) -> torch.Tensor:
     if t.dtype not in (torch.int8, FP8):
         return t.double()
@@ -83,9 +101,8 @@ def dequant(t: torch.Tensor, args) -> torch.Tensor:
 
 def check(args, config: GemmConfig | None = None):
     """Kernel vs reference; returns the kernel output (on CPU)."""
-    out = qgemm.qlinear(**args, config=config).cpu()
-    ref = reference.qlinear(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
-                               for k, v in args.items()})
+    out = run(args, config=config).cpu()
+    ref = reference_out(args)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if args["weight"].dtype == torch.int8:
         if out.dtype == torch.int8:
@@ -164,8 +181,7 @@ def test_schedules(device, cfg, qdtype):
                             out_dtype=torch.int8, zp=True), cfg)
     # Twice in a row: split-K counters must have reset themselves.
     a = make_case(20, 150, 40, device, qdtype=qdtype, out_dtype=torch.int8, seed=3)
-    torch.testing.assert_close(qgemm.qlinear(**a, config=cfg), qgemm.qlinear(**a, config=cfg),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(run(a, config=cfg), run(a, config=cfg), rtol=0, atol=0)
 
 
 def test_multi_tile_and_k_tail(device):
@@ -173,7 +189,7 @@ def test_multi_tile_and_k_tail(device):
 
 
 def test_m_zero(device):
-    out = qgemm.qlinear(**make_case(1, 8, 4, device) | {"x": torch.empty(0, 8, device=device)})
+    out = run(make_case(1, 8, 4, device) | {"x": torch.empty(0, 8, device=device)})
     assert out.shape == (0, 4)
 
 

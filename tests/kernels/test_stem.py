@@ -18,7 +18,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.kernels.conv import implicit as conv
 from qfuse.kernels.conv.stem import StemConfig, stem_candidates
 from tests.kernels.test_compile import compile_sm90, run_child
-from tests.kernels.test_conv import check, make_case
+from tests.kernels.test_conv import check, make_case, run
 
 FP8 = torch.float8_e4m3fn
 SCHEMES = {  # (weight dtype, input zero point)
@@ -51,7 +51,7 @@ def test_default_path_is_the_stem_kernel_and_matches(shape, scheme):
     args = case(shape, scheme, channels_last=shape != "3x3-s2")
     check(args)  # the default route of a stem: the gather kernel
     if args["weight"].dtype == torch.int8:
-        assert torch.equal(conv.qconv2d(**args), conv.qconv2d(**args, stem_path="im2col"))
+        assert torch.equal(run(args), run(args, stem_path="im2col"))
 
 
 @pytest.mark.parametrize("prequantize", [False, True], ids=["registers", "separate-pass"])
@@ -61,8 +61,8 @@ def test_schedule_knobs_keep_the_numbers(layout, kmajor, prequantize):
     """Each knob changes how the tile is gathered, never a value: int8 with a zero point (so
     padding reads the zero point) equals the patch-buffer path bit for bit."""
     args = case("resnet-7x7-s2", "int8-asym", channels_last=layout == "nhwc", hw=(11, 10))
-    out = conv.qconv2d(**args, config=small(kmajor, prequantize))
-    assert torch.equal(out, conv.qconv2d(**args, stem_path="im2col"))
+    out = run(args, config=small(kmajor, prequantize))
+    assert torch.equal(out, run(args, stem_path="im2col"))
     check(args, config=small(kmajor, prequantize))
 
 
@@ -86,12 +86,12 @@ def test_routing():
 def test_config_must_match_the_path():
     args = case("3x3-s2", "int8-sym")
     with pytest.raises(UnsupportedError, match="StemConfig"):
-        conv.qconv2d(**args, config=conv.ConvConfig(32, 32, 32, 4, 1))
-    assert torch.equal(conv.qconv2d(**args, config=conv.ConvConfig(32, 32, 32, 4, 1),
-                                    stem_path="flat"), conv.qconv2d(**args))
+        run(args, config=conv.ConvConfig(32, 32, 32, 4, 1))
+    assert torch.equal(run(args, config=conv.ConvConfig(32, 32, 32, 4, 1),
+                                    stem_path="flat"), run(args))
     wide = make_case("cpu", c_in=16, c_out=16)
     with pytest.raises(UnsupportedError, match="'implicit' path"):
-        conv.qconv2d(**wide, config=small(True, False))
+        run(wide, config=small(True, False))
     for bad in (dict(block_m=48), dict(block_k=8), dict(fp8_promote=64)):
         with pytest.raises(UnsupportedError, match="StemConfig"):
             StemConfig(**{**vars(small(True, False)), **bad})
@@ -113,9 +113,9 @@ def test_gpu_resnet_stem_every_candidate(batch, scheme):
     agree within fp8's bound; batch 1 also against the CPU reference."""
     for channels_last in (False, True):
         args = case("resnet-7x7-s2", scheme, channels_last, n=batch, c_out=64, hw=(224, 224))
-        old = conv.qconv2d(**args, stem_path="im2col")
+        old = run(args, stem_path="im2col")
         for cfg in stem_candidates(64) if channels_last else stem_candidates(64)[:1]:
-            out = conv.qconv2d(**args, config=cfg)
+            out = run(args, config=cfg)
             if args["weight"].dtype == torch.int8:
                 assert torch.equal(out, old), cfg
             elif batch == 1:

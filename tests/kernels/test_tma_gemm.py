@@ -1,4 +1,4 @@
-"""``kernels.tma_gemm`` (descriptor loads) against ``ops.reference``: every epilogue, ragged
+"""``kernels.gemm.tma`` (descriptor loads) against ``ops.reference``: every epilogue, ragged
 edges in M, N and K, one-tile and persistent grids, both dtypes.
 
 Under the interpreter (CPU, CI) descriptor loads zero-fill past the edges as the copy engine
@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfuse.kernels.gemm import dispatch as qgemm
 from qfuse.kernels.schedules import GemmConfig, tma_candidates
-from tests.kernels.test_qgemm import FP8, check, make_case
+from tests.kernels.test_qgemm import FP8, check, make_case, run
 
 # Small tiles (the interpreter's cost grows with the tile), persistent and one-tile grids.
 TMA = [
@@ -76,10 +75,10 @@ def test_tma_traced_route_matches_eager(qdtype):
     args = make_case(256, 768, 768, torch.device("cuda"), qdtype=qdtype, x_mode="quantized",
                      act="gelu", out_dtype=qdtype, residual=False)
     cfg = GemmConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True)
-    eager = qgemm.qlinear(**args, config=cfg)
+    eager = run(args, config=cfg)
 
     def f(a):
-        return qgemm.qlinear(**a, config=cfg, wrap=torch.library.wrap_triton)
+        return run(a, config=cfg, wrap=torch.library.wrap_triton)
 
     traced = torch.compile(f, fullgraph=True)(args)
     assert torch.equal(traced.view(torch.uint8), eager.view(torch.uint8))

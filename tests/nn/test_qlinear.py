@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -142,8 +144,8 @@ def test_zero_point_correction_is_folded_into_the_bias(bias):
     wsum = lin.weight.sum(dim=1, dtype=torch.int32)
     corr = lin.x_zero_point.double() * wsum.double() * lin.scale.double()
     unfolded_bias = (lin.bias.double() + corr).float()
-    ref = reference.qlinear(x, lin.weight, lin.scale, unfolded_bias, lin.x_inv_scale,
-                            lin.x_zero_point, wsum, None, None, None, "gelu", torch.float32)
+    ref = reference.qlinear(x, dataclasses.replace(lin.describe(), bias=unfolded_bias,
+                                                   weight_sum=wsum))
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -167,11 +169,9 @@ def test_folded_zero_point_kernel_matches_reference(device):
     from qfuse.ops import reference
 
     lin, x = _asym()
-    b = lin._buffers
-    args = (x, b["weight"], b["scale"], b["bias"], b["x_inv_scale"], b["x_zero_point"], None,
-            None, b["out_inv_scale"], b["out_zero_point"], "gelu", torch.int8)
-    ref = reference.qlinear(*args)
-    out = qgemm.qlinear(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    lin.exact_epilogue = True  # the IEEE-exact GELU on the GPU too
+    ref = reference.qlinear(x, lin.describe())
+    out = qgemm.qlinear(x.to(device), lin.to(device).describe())
     assert torch.equal(out.cpu(), ref)
 
 
@@ -180,3 +180,26 @@ def test_output_quantized_for_int8_and_fp8_hand_offs():
                  out_scale=torch.tensor(0.05))[0].output_quantized
     assert build(FP8, True, out_dtype=FP8, out_scale=torch.tensor(0.05))[0].output_quantized
     assert not build(FP8, True)[0].output_quantized
+
+
+def test_the_layer_call_is_built_once_and_follows_the_layer():
+    """The eager forward reads one kept ``GemmCall``; setting an attribute, replacing a buffer
+    or moving the layer builds it again, an in-place load keeps it."""
+    lin = QLinear.from_float(torch.randn(8, 16), torch.randn(8), x_scale=torch.tensor(0.05),
+                             x_zero_point=None)
+    call = lin.layer_call()
+    assert lin.layer_call() is call and call.weight is lin.weight and call.act == "none"
+    lin.load_state_dict(lin.state_dict())
+    assert lin.layer_call() is call
+    lin.activation = "relu"
+    assert lin.layer_call() is not call and lin.layer_call().act == "relu"
+    call = lin.layer_call()
+    lin._buffers["bias"] = torch.zeros(8)  # as export.tensors.set_tensor writes
+    assert lin.layer_call().bias is lin._buffers["bias"]
+    x = torch.randn(3, 16)
+    assert torch.equal(lin(x), torch.relu(lin(x)))
+    lin.exact_epilogue = True
+    assert not lin.layer_call().fast_act
+    call = lin.layer_call()
+    lin.to(torch.float64)  # buffers keep their dtypes; the description is rebuilt
+    assert "_kept_call" not in lin.__dict__ and lin.layer_call().scale.dtype == torch.float32

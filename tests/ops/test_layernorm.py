@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import qfuse.ops  # noqa: F401
 from qfuse.kernels.layernorm import layer_norm_quant as kernel
 from qfuse.ops.layernorm import INTERPRETED, _reference
+from tests.optional import given, settings, st
 
 FP8 = torch.float8_e4m3fn
 

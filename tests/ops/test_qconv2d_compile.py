@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qfuse
 from qfuse.kernels.conv import implicit as conv_kernels
+from qfuse.kernels.conv.call import ConvCall
 from qfuse.kernels.layout import empty_nhwc
 from qfuse.kernels.pool import max_pool2d as pool_kernel
 from qfuse.nn import QConv2d
@@ -45,7 +46,7 @@ def _conv_args(n, c_in, c_out, h, w, k, groups, device):
                                                    "depthwise-1x1"])
 def test_fake_kernel_and_reference_outputs_have_one_stride_set(shape, device):
     args = _conv_args(*shape, device)
-    kernel = conv_kernels.qconv2d(*args)  # the Triton body (interpreter on CPU)
+    kernel = conv_kernels.qconv2d(*ConvCall.from_op_args(*args))  # the Triton body
     with qfuse.use_backend("reference"):
         reference = torch.ops.qfuse.qconv2d(*args)
         pool_ref = torch.ops.qfuse.max_pool2d(kernel, [3, 3], [1, 1], [1, 1], [1, 1], False)

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qfuse.ops  # noqa: F401  (registers the op)
 from qfuse.errors import ShapeError, UnsupportedError
+from qfuse.kernels.gemm.call import GemmCall
 from qfuse.ops.qlinear import qlinear_call
 
 FP8 = torch.float8_e4m3fn
@@ -77,7 +78,31 @@ def test_the_op_is_skipped_only_in_plain_eager(needs_op):
     args = op_args()
     args["x"].requires_grad_(needs_op)
     with _Record() as rec:
-        out = qlinear_call(*args.values())
+        out = qlinear_call(*GemmCall.from_op_args(**args))
     called = torch.ops.qfuse.qlinear.default in rec.ops
     assert called == needs_op and rec.ops  # eager: the body's aten ops, straight
     assert torch.equal(out.detach(), torch.ops.qfuse.qlinear(*args.values()).detach())
+
+
+def test_the_schemas_are_the_ones_saved_graphs_name():
+    """The ops' flat argument lists (``call.OP_ARGS``) are the schemas exported graphs and
+    TorchScript files record: argument for argument as before the call descriptions."""
+    assert str(torch.ops.qfuse.qlinear.default._schema) == (
+        "qfuse::qlinear(Tensor x, Tensor weight, Tensor scale, Tensor? bias, "
+        "Tensor? x_inv_scale, Tensor? x_zero_point, Tensor? weight_sum, Tensor? residual, "
+        "Tensor? out_inv_scale, Tensor? out_zero_point, str activation, ScalarType out_dtype, "
+        "Tensor? x_scale=None, bool fast_act=False) -> Tensor")
+    assert str(torch.ops.qfuse.qconv2d.default._schema) == (
+        "qfuse::qconv2d(Tensor x, Tensor weight, Tensor scale, Tensor? bias, "
+        "Tensor? x_inv_scale, Tensor? x_zero_point, Tensor? residual, Tensor? out_inv_scale, "
+        "Tensor? out_zero_point, str activation, ScalarType out_dtype, SymInt[] stride, "
+        "SymInt[] padding, SymInt[] dilation, SymInt groups, str post_activation=\"none\", "
+        "Tensor? residual_scale=None, Tensor? residual_zero_point=None) -> Tensor")
+
+
+def test_a_call_flattens_into_the_op_and_back():
+    args = op_args(x_scale=torch.rand(3), fast_act=True, residual=torch.randn(3, 8))
+    x, call, x_scale, residual = GemmCall.from_op_args(**args)
+    assert call.act == "gelu" and call.fast_act and x_scale is args["x_scale"]
+    flat = call.op_args(x, x_scale, residual)
+    assert all(a is b for a, b in zip(flat, args.values(), strict=True))

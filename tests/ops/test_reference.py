@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qfuse.kernels.gemm.call import GemmCall
 from qfuse.ops import reference
 
 FP8 = torch.float8_e4m3fn
@@ -59,12 +60,14 @@ def test_int_matmul_is_exact_beyond_float32():
 def test_row_scale_follows_the_channel_scale():
     acc = torch.tensor([[3, -5], [7, 11]], dtype=torch.int32)
     scale, rows = torch.tensor([0.1, 0.3]), torch.tensor([2.0, 0.7])
-    out = reference.epilogue(acc, scale, None, "none", None, None, None, torch.float32,
-                             row_scale=rows)
+    call = GemmCall(torch.zeros(2, 1, dtype=torch.int8), scale)
+    out = reference.epilogue(acc, call, row_scale=rows)
     assert torch.equal(out, acc.float() * scale[None, :] * rows[:, None])
 
 
 def test_fp8_output_requantizes_with_saturation():
     acc = torch.tensor([[1000, -1000, 3]], dtype=torch.int32)
-    out = reference.epilogue(acc, torch.ones(3), None, "none", None, torch.tensor(1.0), None, FP8)
+    call = GemmCall(torch.zeros(3, 1, dtype=FP8), torch.ones(3), out_inv_scale=torch.tensor(1.0),
+                    out_dtype=FP8)
+    out = reference.epilogue(acc, call)
     assert out.dtype == FP8 and out.float().tolist() == [[448.0, -448.0, 3.0]]

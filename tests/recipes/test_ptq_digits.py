@@ -1,6 +1,10 @@
 """The main job: digits CNN+MLP, static PTQ: int8 within 0.5 and fp8 within 0.3 points of fp32."""
 
-from qfuse.recipes.ptq_digits import run
+from tests.optional import needs
+
+needs("sklearn", "recipes")  # the digits data set
+
+from qfuse.recipes.ptq_digits import run  # noqa: E402
 
 
 def test_int8_and_fp8_stay_within_the_accuracy_budget():

@@ -1,4 +1,4 @@
-"""qfuse.recipes.ptq_llm on the trained Llama, reduced: two configs on a few held-out windows.
+"""qfuse.recipes.ptq_llm on the small trained Llama (the CI fixture), reduced: two configs.
 
 Sanity bounds, not the README's targets (those are the full run's): the float model beats the
 unigram baseline by far, int8 dynamic stays close to float, and ``generate()`` on the converted
@@ -25,6 +25,7 @@ def result():
         qat_steps=0,
         progress=False,
         bf16=False,
+        model_name="toy",
     )
 
 
@@ -52,4 +53,4 @@ def test_quantized_rows_are_sane(result):
 
 def test_unknown_config_is_refused():
     with pytest.raises(SystemExit, match="unknown configs"):
-        ptq_llm.run(["int4 static"], heldout=1, prompts=0, progress=False)
+        ptq_llm.run(["int4 static"], heldout=1, prompts=0, progress=False, model_name="toy")

@@ -2,7 +2,11 @@
 points of fp32 (issue #11; 450 test images: one image is 0.22 points, so fp8 may lose at most one
 and int8 at most two), every conv fused, the residual adds fused into the conv computed last."""
 
-from qfuse.recipes.ptq_resnet import run
+from tests.optional import needs
+
+needs("sklearn", "recipes")  # the digits data set
+
+from qfuse.recipes.ptq_resnet import run  # noqa: E402
 
 
 def test_int8_and_fp8_stay_within_the_accuracy_budget():

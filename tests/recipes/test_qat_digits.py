@@ -1,6 +1,10 @@
 """QAT recipe, as run (6 epochs, ~15 s): QAT recovers what PTQ loses on the hard configuration."""
 
-from qfuse.recipes.qat_digits import run
+from tests.optional import needs
+
+needs("sklearn", "recipes")  # the digits data set
+
+from qfuse.recipes.qat_digits import run  # noqa: E402
 
 
 def test_qat_recovers_what_ptq_loses_with_per_tensor_weights_and_outliers():

@@ -253,8 +253,8 @@ def prepare_qat(
     state.pipeline, state.passes = options, dict(run.records)
     set_state(gm, state)
     # Fake-quant modules, their observers and learnable scales are built on the CPU: put them
-    # where the model is (DDP broadcasts every buffer over NCCL, which has no CPU backend; H200,
-    # 2026-11-25). The CPU-built LSQ scales are parameters too, so the CPU does not count.
+    # where the model is (DDP broadcasts every buffer over NCCL, which has no CPU backend). The
+    # CPU-built LSQ scales are parameters too, so the CPU does not count.
     devices = {p.device for p in gm.parameters()} - {torch.device("cpu")}
     if len(devices) == 1:
         gm.to(devices.pop())

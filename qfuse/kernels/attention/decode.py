@@ -149,8 +149,7 @@ class DecodeSchedule:
 # Built once: a traced call (torch.compile, fullgraph) picks one, it constructs nothing.
 # _SMALL: the fastest schedule of the sweep at TinyLlama's shape in 5 of its 6 rows (G = 8,
 # D = 64; B 1 and 8, L 600 to 8192), 13% behind 64-key tiles at B = 8, L = 600
-# (bench/decode_attention_ab.py --sweep: bench/results/s14_h200/call3/decode_attention_ab.json,
-# one H200). _BIG is not measured.
+# (bench/decode_attention_ab.py --sweep, one H200). _BIG is not measured.
 _SMALL = DecodeSchedule(block_l=128, num_warps=8, num_stages=3)
 _BIG = DecodeSchedule(block_l=32, num_warps=8)
 

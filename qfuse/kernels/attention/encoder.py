@@ -179,10 +179,10 @@ def seq_bucket(seq: int) -> int:
 
 
 # (head_dim, seq bucket) -> schedule. Head dims 32 and 64 at 128 and 512 keys were timed on an
-# H200 with the boolean mask a converted graph carries (bench/results/s11_h200/attention_ab.json):
-# 64 query rows x 32 keys, 4 warps, 3 stages won at BERT-base 32x128 and 8x512 and MiniLM 32x128,
-# and came within 0.5 us at MiniLM 1x128 (where 32x64 won by 0.5 us and lost 2x at 32x128); the
-# 256 bucket takes the same. Head dim 128 keeps the tutorial's Hopper configs (not timed).
+# H200 with the boolean mask a converted graph carries (bench/attention_ab.py): 64 query rows x 32
+# keys, 4 warps, 3 stages won at BERT-base 32x128 and 8x512 and MiniLM 32x128, and came within a
+# hair at MiniLM 1x128 (where 32x64 won narrowly but lost 2x at 32x128); the 256 bucket takes the
+# same. Head dim 128 keeps the tutorial's Hopper configs (not timed).
 SCHEDULES: dict[tuple[int, int], AttentionSchedule] = {
     (32, 128): AttentionSchedule(64, 32, 4, 3),
     (32, 256): AttentionSchedule(64, 32, 4, 3),

@@ -5,30 +5,32 @@
 
 A direct kernel, no GEMM: a tile of pixels by a block of channels, one multiply-accumulate per
 (kh, kw) tap, accumulated in float32 (exact for int8, see the kernel). Input quantization (in
-the prologue, or read as int8/fp8 when ``conv.prequantize`` or the previous fused conv did it)
+the prologue, or read as int8/fp8 when ``implicit.prequantize`` or the previous fused conv did it)
 and the epilogue (``epilogue.conv_epilogue``: scale, bias, act, residual, post-act, requant in
 the reference's order, ``enable_fp_fusion=False``) are the implicit-GEMM conv's, so int8 outputs
-are bit-identical to ``ops.reference.qconv2d``. ``conv.qconv2d`` dispatches here; this module
+are bit-identical to ``ops.reference.qconv2d``. ``implicit.qconv2d`` dispatches here; this module
 holds the kernel, its tile heuristic and its launch.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from qfuse.kernels.common import ConvConfig, quantize_fp8, quantize_int8
+from qfuse.kernels.common import (
+    INTERPRETED,
+    ConvConfig,
+    input_qparams,
+    load_quantized,
+    pixel_coords,
+)
 from qfuse.kernels.epilogue import conv_epilogue
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
 def _dwconv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, res_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
     res_scale_ptr, res_zp_ptr, out_inv_scale_ptr, out_zp_ptr, out_ptr,
     M, H, W, OH, OW, C,
     sxn, sxh, sxw, sxc, swo, swh, sww, stride_rm, stride_om,
@@ -40,24 +42,19 @@ def _dwconv_kernel(
     HAS_OUT_ZP: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Depthwise (groups == C, one output channel per input channel): direct MACs per tap."""
+    """Depthwise (groups == C, one output channel per input channel): direct MACs per tap.
+    The implicit-GEMM conv's arguments (``wsum_ptr`` unused: the zero point is subtracted per
+    tap)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_m = offs_m < M
     mask_c = offs_c < C
-    ow = offs_m % OW
-    oh = (offs_m // OW) % OH
-    batch = (offs_m // OW) // OH
+    batch, oh, ow = pixel_coords(offs_m, OH, OW)
     x_rows = x_ptr + batch.to(tl.int64) * sxn
-    x_inv_scale = 1.0
-    x_zp = 0.0
-    if not X_QUANTIZED:
-        x_inv_scale = tl.load(x_inv_scale_ptr)
-    if HAS_X_ZP:
-        x_zp = tl.load(x_zp_ptr).to(tl.float32)
+    x_inv_scale, x_zp, x_zp_q = input_qparams(x_inv_scale_ptr, x_zp_ptr, X_QUANTIZED, HAS_X_ZP)
     # float32 for int8 too: every product and partial sum is an integer below 2**24 (at most
     # 49 taps x 255 x 127), so the sum is exact, and float FMA-free math beats int32 multiplies
-    # (measured 2.4x on the H200 for a 5x5 depthwise conv).
+    # (measured more than twice as fast on the H200 for a 5x5 depthwise conv).
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for tap in tl.static_range(KH * KW):
         ih = oh * SH - PH + (tap // KW) * DH
@@ -67,15 +64,8 @@ def _dwconv_kernel(
         ptrs = (x_rows + ih * sxh + iw * sxw)[:, None] + (offs_c * sxc)[None, :]
         w_ptrs = w_ptr + offs_c * swo + (tap // KW) * swh + (tap % KW) * sww
         w = tl.load(w_ptrs, mask=mask_c, other=0.0)
-        if X_QUANTIZED:
-            a = tl.load(ptrs, mask=mask, other=0.0)
-        else:
-            a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            if FP8:
-                a = quantize_fp8(a, x_inv_scale, EXACT)
-            else:
-                a = quantize_int8(a, x_inv_scale, x_zp)
-        av = a.to(tl.float32)
+        av = load_quantized(ptrs, mask, x_inv_scale, x_zp, x_zp_q, FP8, X_QUANTIZED, HAS_X_ZP,
+                            EXACT).to(tl.float32)
         if HAS_X_ZP:  # padding contributes (zp - zp) * w = 0: the reference's conv(q - zp)
             av = tl.where(mask, av - x_zp, 0.0)
         acc += av * w.to(tl.float32)[None, :]
@@ -83,7 +73,7 @@ def _dwconv_kernel(
         acc = acc.to(tl.int32)
     conv_epilogue(
         acc, offs_m, offs_c, mask_m, mask_c,
-        scale_ptr, bias_ptr, x_zp_ptr, scale_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
+        scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
         out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
         False, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q, HAS_OUT_ZP,
         OUT_MANT, OUT_EMIN, EXACT,
@@ -93,8 +83,8 @@ def _dwconv_kernel(
 def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
     """Depthwise tiles: 1024 outputs per 4-warp program (8 per thread). The taps are unrolled
     and each holds its loaded tile, so bigger tiles run out of registers: on the H200 (GPU
-    time, int8, N=32) a 5x5 96-channel 14x14 layer took 10.2 us in 32x32 tiles, 29.9 in 32x64,
-    200 in 64x64 (cuDNN bf16: 12.3); a 3x3 16-channel stride-2 one 8.5 us in 64x16 tiles."""
+    time, int8, N=32) a 5x5 96-channel 14x14 layer took 3x as long in 32x64 tiles as in 32x32
+    (on a par with cuDNN bf16), 20x in 64x64."""
     if INTERPRETED:
         return ConvConfig(32, 32, 0, 4, 1)
     block_c = 32 if channels >= 32 else 16
@@ -103,13 +93,13 @@ def pick_depthwise_config(M: int, channels: int, taps: int = 9) -> ConvConfig:
 
 def dwconv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, operands: tuple,
            flags: dict, config: ConvConfig | None = None, launch=None) -> torch.Tensor:
-    """Launch ``_dwconv_kernel`` for ``conv.qconv2d``: ``x`` [N, C, H, W] (any strides) and
+    """Launch ``_dwconv_kernel`` for ``implicit.qconv2d``: ``x`` [N, C, H, W] (any strides) and
     ``weight`` [C, 1, KH, KW] into ``out``, the channels-last [N, C, OH, OW] tensor
-    ``qconv2d`` allocated. ``operands``: the kernel's tensors between weight and output, in
-    its order (scale, bias, x_inv_scale, x_zero_point, residual, residual_scale,
-    residual_zero_point, out_inv_scale, out_zero_point), absent ones replaced by a never-read
-    dummy; ``flags``: the constexprs ``qconv2d`` builds for both conv kernels; ``launch``
-    wraps the kernel before its launch."""
+    ``qconv2d`` allocated. ``operands``: the conv kernels' tensors between weight and output,
+    in their order (scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
+    residual_scale, residual_zero_point, out_inv_scale, out_zero_point), absent ones replaced
+    by a never-read dummy; ``flags``: the constexprs ``qconv2d`` builds for every conv kernel;
+    ``launch`` wraps the kernel before its launch."""
     launch = launch or (lambda k: k)
     n, _, h, w = x.shape
     c_out, _, kh, kw = weight.shape

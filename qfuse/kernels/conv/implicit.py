@@ -12,10 +12,10 @@ zero point reads the zero point, so ``acc - zp * colsum(W)`` gives the reference
 ``pack_weight``): the B tile of one tap is a contiguous run of input channels, and the whole of
 K is contiguous for the small-channel stem path (``FLAT_K``), where one K block spans several taps.
 
-Depthwise convolutions (one input channel per group) run a direct kernel instead
-(``kernels.depthwise``), and stems (few input channels) a gather kernel whose K loop spans all
-taps (``kernels.stem``), and 1x1 stride-1 convs on a channels-last input a GEMM over tensor
-descriptors with split-K (``kernels.conv_tma``); ``qconv2d`` chooses (``conv_path``). All end in
+A layer's call is described once (``call.ConvCall``). Depthwise convolutions (one input channel
+per group) run a direct kernel instead (``depthwise``), and stems (few input channels) a gather
+kernel whose K loop spans all taps (``stem``), and 1x1 stride-1 convs on a channels-last input a
+GEMM over tensor descriptors with split-K (``tma``); ``qconv2d`` chooses (``conv_path``). All end in
 ``epilogue.conv_epilogue``, which repeats ``ops.reference.epilogue`` operation by operation
 (IEEE-exact ops only, ``enable_fp_fusion=False``), so int8 outputs are bit-identical to the
 reference.
@@ -23,7 +23,6 @@ reference.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import torch
@@ -33,40 +32,23 @@ import triton.language as tl
 from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
+    INTERPRETED,
     ConvConfig,
     dot_acc,
     input_qparams,
-    quantize_fp8,
-    quantize_int8,
-    tile_indices,
+    load_quantized,
+    pixel_coords,
+    tile_offsets,
 )
 from qfuse.kernels.conv import tma as conv_tma
+from qfuse.kernels.conv.call import ConvCall
 from qfuse.kernels.conv.depthwise import dwconv
 from qfuse.kernels.conv.im2col import im2col
 from qfuse.kernels.conv.stem import StemConfig, pick_stem_config, stem_conv
 from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code
 from qfuse.kernels.layout import empty_nhwc
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
-
-
-@triton.jit
-def _load_a(ptrs, mask, x_inv_scale, x_zp, x_zp_q,
-            FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr,
-            EXACT: tl.constexpr):
-    """One A tile as int8/fp8; masked (padding) entries are the quantized zero."""
-    if X_QUANTIZED:
-        a = tl.load(ptrs, mask=mask, other=0.0)
-        if HAS_X_ZP:
-            a = tl.where(mask, a, x_zp_q)
-    else:
-        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if FP8:
-            a = quantize_fp8(a, x_inv_scale, EXACT)
-        else:
-            a = quantize_int8(a, x_inv_scale, x_zp)
-    return a
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -89,17 +71,12 @@ def _qconv_kernel(
     wgmma accumulate in place at the tensor core's reduced precision for the whole K loop;
     ``P`` (32 <= P <= BLOCK_K) sums every P K-elements in a fresh partial and adds it to the
     float32 accumulator (``max_num_imprecise_acc``; ``ConvConfig.fp8_promote`` says why)."""
-    pid = tl.program_id(0)
     group = tl.program_id(1)
-    pid_m, pid_n = tile_indices(pid, M, CG_OUT, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, _, _ = tile_offsets(tl.program_id(0), M, CG_OUT, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < CG_OUT
-    ow = offs_m % OW
-    oh = (offs_m // OW) % OH
-    batch = (offs_m // OW) // OH
+    batch, oh, ow = pixel_coords(offs_m, OH, OW)
     ih0 = oh * SH - PH
     iw0 = ow * SW - PW
     x_rows = x_ptr + batch.to(tl.int64) * sxn + group * CG_IN * sxc
@@ -127,8 +104,8 @@ def _qconv_kernel(
             amask = (mask_m[:, None] & mask_k[None, :] & (ih >= 0) & (ih < H) & (iw >= 0)
                      & (iw < W))
             a_ptrs = x_rows[:, None] + ih * sxh + iw * sxw + (c * sxc)[None, :]
-            a = _load_a(a_ptrs, amask, x_inv_scale, x_zp, x_zp_q, FP8, X_QUANTIZED, HAS_X_ZP,
-                        EXACT)
+            a = load_quantized(a_ptrs, amask, x_inv_scale, x_zp, x_zp_q, FP8, X_QUANTIZED,
+                               HAS_X_ZP, EXACT)
             b_off = kh * swh + kw * sww + c * swc
             b = tl.load(w_cols + b_off[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             acc = dot_acc(a, b, acc, FP8_PROMOTE)
@@ -146,8 +123,8 @@ def _qconv_kernel(
             c = c0 + offs_k
             mask_k = c < CG_IN
             a_ptrs = (x_rows + ih * sxh + iw * sxw)[:, None] + (c * sxc)[None, :]
-            a = _load_a(a_ptrs, valid[:, None] & mask_k[None, :], x_inv_scale, x_zp, x_zp_q,
-                        FP8, X_QUANTIZED, HAS_X_ZP, EXACT)
+            a = load_quantized(a_ptrs, valid[:, None] & mask_k[None, :], x_inv_scale, x_zp,
+                               x_zp_q, FP8, X_QUANTIZED, HAS_X_ZP, EXACT)
             b_ptrs = w_cols + (kh * swh + kw * sww) + (c * swc)[:, None]
             # K_W: the weight's channels (< CG_IN for an im2col buffer's padded row)
             b = tl.load(b_ptrs, mask=(c < K_W)[:, None] & mask_n[None, :], other=0.0)
@@ -168,15 +145,14 @@ SMS = 132  # H100/H200 SXM
 def pick_config(M: int, cg_in: int, cg_out: int, k_total: int, fp8: bool) -> ConvConfig:
     """Tile shape from the problem shape (no autotuning on the call path). Measured on the H200
     by GPU time (CUDA-graph replays, ``bench/tune_conv.py``, int8, ResNet-50 layers at batch
-    32; ``bench/results/tune_conv_h200.txt``):
-    - 128x64x64, 4 warps, 4 stages: fastest on the large-M layers (3x3 56x56: 22.1 us, 1x1
-      256->64: 21.5, 3x3 stride 2: 16.6, the stem's patch GEMM: 263).
+    32):
+    - 128x64x64, 4 warps, 4 stages: fastest on the large-M layers (3x3 at 56x56, 1x1 256->64,
+      3x3 stride 2, the stem's patch GEMM).
     - kxk convs with few pixels (M <= 8192: 14x14 and 7x7 maps) and K >= 1152: 64x64x128,
-      3 stages (3x3 512ch 7x7: 21.3 against 33.3 us; 256ch 14x14: 15.9 against 20.3).
-    - 1x1 convs that widen to >= 256 channels: 256x128x64, 8 warps (64->256 at 56x56: 41.3
-      against 51.1 us; 512->2048 at 7x7: 16.9 against 22.0).
+      3 stages (a third faster on 3x3 512ch 7x7).
+    - 1x1 convs that widen to >= 256 channels: 256x128x64, 8 warps (about a fifth faster).
     Where 128x64 tiles would leave SMs idle and K is short, smaller tiles give more programs;
-    with a long K (2048->512 at 7x7) the bigger tiles stay faster (26.5 against 29.8 us)."""
+    with a long K (2048->512 at 7x7) the bigger tiles stay faster."""
     if INTERPRETED:  # interpreter cost grows with tile size: smallest legal tiles
         return ConvConfig(32, 32, 32, 4, 1)
     taps = max(k_total // max(cg_in, 1), 1)
@@ -199,8 +175,8 @@ def prequantize(x, qdtype, inv_scale, zero_point, wrap=None):
     quantize each input element k*k times in its prologue; int8/fp8 values are identical.
     Runs ``quantize``'s kernel over the storage as rows of its last two dimensions (W*C
     channels-last, H*W otherwise; W alone past 8192): the kernel's programs take 4 rows, and
-    rows of C alone — 3 for a stem — made 1.6M programs of 12 values each, 243 us on the H200
-    for resnet's and mobilenet's 32x3x224x224 input (GPU profile, commit 73c996e).
+    rows of C alone — 3 for a stem — made 1.6M programs of 12 values each, the slowest kernel of
+    resnet's and mobilenet's 32x3x224x224 input on the H200 (GPU profile).
     ``wrap`` as in ``qconv2d``'s ``launcher``."""
     from qfuse.kernels.quantize import quantize
 
@@ -233,9 +209,9 @@ def conv_path(groups: int, c_in: int, c_out: int, cg_in: int, kh: int, kw: int,
               stem_path: str | None, gemm_fits: bool = False,
               conv1x1_path: str | None = None) -> str:
     """The kernel a conv runs on: "depthwise", "implicit" (``_qconv_kernel``), "gemm1x1"
-    (``conv_tma``) or one of ``STEM_PATHS``. A kxk conv with fewer than 16 input channels and
+    (``tma``) or one of ``STEM_PATHS``. A kxk conv with fewer than 16 input channels and
     one group is a stem: its implicit GEMM would gather one or two bytes per A element and per
-    tap over channel tiles mostly empty, so it runs on the stem kernel (``kernels.stem``);
+    tap over channel tiles mostly empty, so it runs on the stem kernel (``stem``);
     ``stem_path`` overrides for any conv with one group. A 1x1 stride-1 conv that is a plain
     GEMM descriptors can read (``gemm_fits``: ``conv_tma.fits``) runs on the TMA GEMM;
     ``conv1x1_path`` ("tma" / "mma", see ``conv_tma.CONV1X1_PATHS``) forces either kernel."""
@@ -266,71 +242,52 @@ def conv_path(groups: int, c_in: int, c_out: int, cg_in: int, kh: int, kw: int,
     return "implicit"
 
 
-def output_size(h, w, kernel, stride, padding, dilation) -> tuple[int, int]:
-    oh = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
-    return oh, ow
-
-
 def qconv2d(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    x_inv_scale: torch.Tensor | None,
-    x_zero_point: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    out_inv_scale: torch.Tensor | None,
-    out_zero_point: torch.Tensor | None,
-    act: str,
-    out_dtype: torch.dtype,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-    post_act: str = "none",
+    call: ConvCall,
+    residual: torch.Tensor | None = None,
     config: ConvConfig | StemConfig | None = None,
     launcher=None,
     prequantize_input: bool | None = None,
     stem_path: str | None = None,
-    residual_scale: torch.Tensor | None = None,
-    residual_zero_point: torch.Tensor | None = None,
     fp8_promote: int | None = None,
     conv1x1_path: str | None = None,
 ) -> torch.Tensor:
-    """Fused quantized conv2d of NCHW-shaped ``x`` (any strides; channels-last is the fast
-    layout) with ``weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
-    [N, O, OH, OW] tensor of ``out_dtype``. Argument meanings as ``ops.reference.qconv2d``.
+    """The fused quantized conv ``call`` on NCHW-shaped ``x`` (any strides; channels-last is the
+    fast layout), ``call.weight`` [O, I/groups, KH, KW] int8 or fp8; returns a channels-last
+    [N, O, OH, OW] tensor of ``call.out_dtype``. Meanings as ``ops.reference.qconv2d``.
     ``launcher`` wraps each kernel before its launch (``torch.library.wrap_triton`` in the op).
     A float input is quantized in the GEMM's prologue (1x1 convs) or, where each element feeds
     several taps, once in a separate pass (``prequantize_input`` overrides: same numbers).
     A kxk conv with fewer than 16 input channels and one group (a stem) runs on the stem
-    kernel (``kernels.stem``; ``config`` then a ``StemConfig``, whose ``prequantize`` is the
-    default for ``prequantize_input``); ``stem_path`` picks among ``STEM_PATHS`` (same
-    numbers; see ``conv_path``).
+    kernel (``stem``; ``config`` then a ``StemConfig``, whose ``prequantize`` is the default for
+    ``prequantize_input``); ``stem_path`` picks among ``STEM_PATHS`` (same numbers; see
+    ``conv_path``).
     ``fp8_promote`` overrides the schedule's ``ConvConfig.fp8_promote`` (fp8 accumulation
     precision; capped at the tile's ``block_k``, since every ``tl.dot`` ends with a promotion).
     A 1x1 stride-1 conv with C_in % 16 == 0 on a channels-last input runs on the TMA GEMM
-    (``conv_tma``: a float input quantized first; ``config`` then a ``conv_tma.Conv1x1Config``;
-    ``conv_tma.default_path`` says where it does not by default);
+    (``tma``: a float input quantized first; ``config`` then a ``tma.Conv1x1Config``;
+    ``tma.default_path`` says where it does not by default);
     ``conv1x1_path`` ("tma" / "mma") forces that kernel or the implicit GEMM (same numbers).
 
     Example (on CPU this runs under the Triton interpreter, TRITON_INTERPRET=1):
         >>> import torch
-        >>> from qfuse.kernels.conv.implicit import qconv2d
         >>> from qfuse.ops.reference import qconv2d as ref
         >>> x = torch.randn(1, 8, 5, 5)
-        >>> w = torch.randint(-127, 128, (16, 8, 3, 3), dtype=torch.int8)
-        >>> args = (x, w, torch.full((16,), 1e-3), None, torch.tensor(40.0), None, None,
-        ...         torch.tensor(20.0), None, "relu", torch.int8, [1, 1], [1, 1], [1, 1], 1)
-        >>> bool(torch.equal(qconv2d(*args), ref(*args)))
+        >>> call = ConvCall(torch.randint(-127, 128, (16, 8, 3, 3), dtype=torch.int8),
+        ...                 torch.full((16,), 1e-3), x_inv_scale=torch.tensor(40.0),
+        ...                 out_inv_scale=torch.tensor(20.0), act="relu", out_dtype=torch.int8,
+        ...                 padding=[1, 1])
+        >>> bool(torch.equal(qconv2d(x, call), ref(x, call)))
         True
     """
     launch = launcher or (lambda k: k)
+    weight, stride, padding, dilation, groups = (call.weight, call.stride, call.padding,
+                                                 call.dilation, call.groups)
     n, c_in, h, w = x.shape
     c_out, cg_in, kh, kw = weight.shape
-    oh, ow = output_size(h, w, (kh, kw), stride, padding, dilation)
-    out = empty_nhwc((n, c_out, oh, ow), out_dtype, x.device)
+    out = empty_nhwc(call.output_shape(x.shape), call.out_dtype, x.device)
+    oh, ow = out.shape[2], out.shape[3]
     M = n * oh * ow
     if M == 0 or c_out == 0:
         return out
@@ -340,7 +297,6 @@ def qconv2d(
     if conv1x1_path is None and gemm_fits:
         conv1x1_path = conv_tma.default_path(M, x_quantized, config)
     path = conv_path(groups, c_in, c_out, cg_in, kh, kw, stem_path, gemm_fits, conv1x1_path)
-    depthwise = path == "depthwise"
     use_im2col = path == "im2col"
     if path == "gather":
         if config is not None and not isinstance(config, StemConfig):
@@ -354,7 +310,7 @@ def qconv2d(
     elif path == "gemm1x1":
         if config is not None and not isinstance(config, conv_tma.Conv1x1Config):
             raise UnsupportedError(
-                f"qconv2d: config={config} for the 1x1 TMA GEMM; pass a conv_tma.Conv1x1Config "
+                f"qconv2d: config={config} for the 1x1 TMA GEMM; pass a tma.Conv1x1Config "
                 "(or conv1x1_path='mma' to run a ConvConfig on the implicit GEMM)."
             )
         prequantize_input = True  # descriptors read int8/fp8 memory as it is
@@ -362,47 +318,43 @@ def qconv2d(
         raise UnsupportedError(
             f"qconv2d: a {type(config).__name__} for a conv that runs on the {path!r} path; "
             "pass a ConvConfig (StemConfig: stem_path='gather'; Conv1x1Config: a 1x1 conv "
-            "conv_tma.fits)."
+            "tma.fits)."
         )
     if prequantize_input is None:
-        prequantize_input = kh * kw > 1 or depthwise  # the patch buffer then copies bytes
+        prequantize_input = kh * kw > 1 or path == "depthwise"  # im2col then copies bytes
     if not x_quantized and x.numel() and prequantize_input:
-        x = prequantize(x, weight.dtype, x_inv_scale, x_zero_point, launcher)
+        x = prequantize(x, weight.dtype, call.x_inv_scale, call.x_zero_point, launcher)
         x_quantized = True
-    out_q = output_code(out_dtype)
-    grid_bits = float_grid(out_dtype)
     if residual is not None:  # read as [M, C] rows, like the output (row stride C)
         residual = residual.contiguous(memory_format=torch.channels_last)
-    dummy = scale  # absent tensors: never read; never ``out`` (see ``im2col``'s note)
-    res = residual if residual is not None else dummy
-    flags = dict(
-        SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
-        KH=kh, KW=kw, FP8=fp8, X_QUANTIZED=x_quantized, HAS_X_ZP=x_zero_point is not None,
-        HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=residual is not None,
-        RES_Q=residual is not None and residual.dtype in (torch.int8, FP8),
-        HAS_RES_ZP=residual_zero_point is not None,
-        POST_ACT=ACTIVATION_CODES[post_act], OUT_Q=out_q,
-        HAS_OUT_ZP=out_zero_point is not None, OUT_MANT=grid_bits[0], OUT_EMIN=grid_bits[1],
-        EXACT=INTERPRETED,
-    )
-    opt = lambda t: t if t is not None else dummy  # noqa: E731 - absent optional tensors
-    if depthwise:
-        operands = (scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), res,
-                    opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
-                    opt(out_zero_point))
-        return dwconv(x, weight, out, operands, flags, config, launch)
-    wsum = dummy
-    if x_zero_point is not None:
+    wsum = None
+    if call.x_zero_point is not None and path != "depthwise":  # depthwise subtracts zp itself
         wsum = weight.to(torch.int32).sum(dim=(1, 2, 3), dtype=torch.int32)
     if path == "gemm1x1":
         run = conv_tma.traced_conv1x1 if launcher is not None else conv_tma.conv1x1
-        return run(x, weight, scale, bias, x_zero_point, wsum if x_zero_point is not None
-                   else None, residual, residual_scale, residual_zero_point, out_inv_scale,
-                   out_zero_point, act, post_act, out_dtype, config, fp8_promote)
+        return run(x, call, residual, wsum, config, fp8_promote)
+    res_scale, res_zp = call.residual_qparams(residual)
+    grid_bits = float_grid(call.out_dtype)
+    flags = dict(
+        SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
+        KH=kh, KW=kw, FP8=fp8, X_QUANTIZED=x_quantized, HAS_X_ZP=call.x_zero_point is not None,
+        HAS_BIAS=call.bias is not None, ACT=ACTIVATION_CODES[call.act],
+        HAS_RESIDUAL=residual is not None,
+        RES_Q=residual is not None and residual.dtype in (torch.int8, FP8),
+        HAS_RES_ZP=res_zp is not None,
+        POST_ACT=ACTIVATION_CODES[call.post_act], OUT_Q=output_code(call.out_dtype),
+        HAS_OUT_ZP=call.out_zero_point is not None, OUT_MANT=grid_bits[0],
+        OUT_EMIN=grid_bits[1], EXACT=INTERPRETED,
+    )
+    # The kernels' tensors between the weight and the output, in their order; an absent one is
+    # the never-read ``scale`` (never ``out``: see ``im2col``'s note).
+    opt = lambda t: t if t is not None else call.scale  # noqa: E731
+    operands = (call.scale, opt(call.bias), opt(call.x_inv_scale), opt(call.x_zero_point),
+                opt(wsum), opt(residual), opt(res_scale), opt(res_zp), opt(call.out_inv_scale),
+                opt(call.out_zero_point))
+    if path == "depthwise":
+        return dwconv(x, weight, out, operands, flags, config, launch)
     if path == "gather":
-        operands = (scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
-                    opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale),
-                    opt(out_zero_point))
         if fp8_promote is not None:
             config = replace(config, fp8_promote=min(fp8_promote, config.block_k))
         return stem_conv(x, weight, out, operands, flags, config, launch)
@@ -415,8 +367,8 @@ def qconv2d(
     if use_im2col:
         # A 1x1 GEMM over the patch buffer: one "pixel" per row, K = KP channels (the weight,
         # flattened (kh, kw, c) like the buffer, has K_W = KH*KW*C of them).
-        x = im2col(x, weight.dtype, (kh, kw), stride, padding, dilation, oh, ow, x_inv_scale,
-                   x_zero_point, launch)
+        x = im2col(x, weight.dtype, (kh, kw), stride, padding, dilation, oh, ow,
+                   call.x_inv_scale, call.x_zero_point, launch)
         w2 = weight.permute(0, 2, 3, 1).reshape(c_out, -1)  # a view of the packed weight
         weight = w2
         sizes = (M, 1, 1, 1, 1, x.shape[1], c_out, w2.shape[1])
@@ -429,9 +381,7 @@ def qconv2d(
     flat_k = cg_in < cfg.block_k and not use_im2col  # im2col rows: padded, one "tap"
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cg_out, cfg.block_n), groups)
     launch(_qconv_kernel)[grid](
-        x, weight, scale, opt(bias), opt(x_inv_scale), opt(x_zero_point), wsum, res,
-        opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale), opt(out_zero_point),
-        out,
+        x, weight, *operands, out,
         *sizes, *strides, c_out, c_out,
         **flags, FLAT_K=flat_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -8,8 +8,8 @@ Each program owns BLOCK_M output pixels and BLOCK_N output channels; its K loop 
 patch tile straight from the input (computed addresses, padding masked to the quantized zero),
 quantizes a float input in registers with ``common.quantize_int8``/``quantize_fp8`` (the
 functions the prologue and ``quantize`` use, so the int8 values equal the patch buffer's) or
-reads one ``conv.prequantize`` quantized in its own pass (``StemConfig.prequantize``), and
-feeds ``tl.dot`` with the packed weight's contiguous K. No patch buffer: ``kernels.im2col`` wrote
+reads one ``implicit.prequantize`` quantized in its own pass (``StemConfig.prequantize``), and
+feeds ``tl.dot`` with the packed weight's contiguous K. No patch buffer: ``im2col`` wrote
 and re-read 160 bytes per output pixel (64 MB at batch 32) where this reads only the input, which
 the 49 taps re-read from L1/L2.
 
@@ -33,7 +33,6 @@ that puts the lanes on pixels under the installed Triton.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,10 +40,16 @@ import triton
 import triton.language as tl
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels.common import dot_acc, input_qparams, quantize_fp8, quantize_int8
+from qfuse.kernels.common import (
+    INTERPRETED,
+    check_fp8_promote,
+    dot_acc,
+    input_qparams,
+    load_quantized,
+    pixel_coords,
+)
 from qfuse.kernels.epilogue import conv_epilogue
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
 PIXEL_FAST_KMAJOR = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
 
@@ -76,12 +81,7 @@ class StemConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise UnsupportedError(f"StemConfig: {name}={v}; use a power of two >= 16.")
-        p = self.fp8_promote
-        if p and (p % 32 or not 32 <= p <= self.block_k):
-            raise UnsupportedError(
-                f"StemConfig: fp8_promote={p}; use 0 or a multiple of 32 up to "
-                f"block_k={self.block_k} (see ConvConfig.fp8_promote)."
-            )
+        check_fp8_promote(self, self.block_k)
 
 
 def stem_candidates(c_out: int) -> list[StemConfig]:
@@ -146,17 +146,8 @@ def _patch_tile(x_pix, ih0, iw0, mask_m, k0, H, W, sxh, sxw, sxc,
         mask = mask_m[:, None] & (k < K)[None, :]
     # one unsigned compare per bound pair: a negative index wraps past H (W)
     mask = mask & (ih.to(tl.uint32) < H) & (iw.to(tl.uint32) < W)
-    if X_QUANTIZED:
-        a = tl.load(ptrs, mask=mask, other=0.0)
-        if HAS_X_ZP:
-            a = tl.where(mask, a, x_zp_q)
-    else:  # quantize(0.0) is the zero point: padding needs no special case
-        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if FP8:
-            a = quantize_fp8(a, x_inv_scale, EXACT)
-        else:
-            a = quantize_int8(a, x_inv_scale, x_zp, HAS_X_ZP)
-    return a
+    return load_quantized(ptrs, mask, x_inv_scale, x_zp, x_zp_q, FP8, X_QUANTIZED, HAS_X_ZP,
+                          EXACT)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -171,7 +162,7 @@ def _stem_kernel(
     # conv geometry
     C: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    # prologue and epilogue variants (as ``conv._qconv_kernel``)
+    # prologue and epilogue variants (as ``implicit._qconv_kernel``)
     FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_X_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RES_Q: tl.constexpr, HAS_RES_ZP: tl.constexpr,
     POST_ACT: tl.constexpr, OUT_Q: tl.constexpr,
@@ -186,9 +177,7 @@ def _stem_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < C_OUT
-    ow = offs_m % OW
-    oh = (offs_m // OW) % OH
-    batch = (offs_m // OW) // OH
+    batch, oh, ow = pixel_coords(offs_m, OH, OW)
     ih0 = oh * SH - PH
     iw0 = ow * SW - PW
     if LARGE:
@@ -231,7 +220,7 @@ def _stem_kernel(
 
 def stem_conv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, operands: tuple,
               flags: dict, config: StemConfig, launch=None) -> torch.Tensor:
-    """Launch ``_stem_kernel`` for ``conv.qconv2d``: ``x`` [N, C, H, W] (any strides; float,
+    """Launch ``_stem_kernel`` for ``implicit.qconv2d``: ``x`` [N, C, H, W] (any strides; float,
     or int8/fp8 when ``flags["X_QUANTIZED"]``), ``weight`` [O, C, KH, KW] (``pack_weight``'s
     layout: K contiguous) into ``out``, the channels-last [N, O, OH, OW] tensor ``qconv2d``
     allocated. ``operands``: the kernel's tensors between weight and output, in its order

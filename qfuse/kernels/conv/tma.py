@@ -6,10 +6,10 @@ A 1x1, stride 1, pad 0, dilation 1 conv with one group on a channels-last input 
     W  [O, C_in, 1, 1] packed      ->  [C_out, C_in]        (``conv.pack_weight``)
     out[M, C_out] = conv_epilogue(x @ W^T)                 (channels-last [N, O, H, W])
 
-so both operands load through host-side tensor descriptors as in ``tma_gemm``: one bulk copy
+so both operands load through host-side tensor descriptors as in ``gemm.tma``: one bulk copy
 per tile into swizzled shared memory, edges past M, N and K zero-filled by the copy engine, no
 address arithmetic or masks in the main loop. The input must already be int8/fp8 in memory
-(``conv.qconv2d`` quantizes a float input in its own pass first). The epilogue is the other
+(``implicit.qconv2d`` quantizes a float input in its own pass first). The epilogue is the other
 conv kernels' (``epilogue.conv_epilogue``: zero-point correction ``acc - zp * colsum(W)``,
 scale, bias, act, a float or quantized residual, post-act, requant), so int8 outputs are
 bit-identical to ``ops.reference.qconv2d``.
@@ -20,7 +20,7 @@ workspace [SPLIT_K, M, C_out], and the tile's last arriving program adds the par
 order (``epilogue.split_k_reduce``: deterministic) and runs the epilogue.
 
 Traced calls (``torch.compile``) cannot build descriptors inside a ``triton_op`` body (see
-``opaque_launch``), so there the launch is the opaque op ``qfuse::tma_conv1x1``.
+``gemm.opaque``), so there the launch is the opaque op ``qfuse::tma_conv1x1``.
 """
 
 from __future__ import annotations
@@ -35,14 +35,28 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qfuse.errors import UnsupportedError
-from qfuse.kernels.common import ACTIVATION_CODES, dot_acc, tile_indices
-from qfuse.kernels.epilogue import conv_epilogue, float_grid, output_code, split_k_reduce
+from qfuse.kernels.common import (
+    ACTIVATION_CODES,
+    INTERPRETED,
+    check_fp8_promote,
+    dot_acc,
+    tile_offsets,
+)
+from qfuse.kernels.conv.call import OP_ARGS, ConvCall, fake_output
+from qfuse.kernels.epilogue import (
+    column_parts,
+    conv_epilogue,
+    float_grid,
+    k_range,
+    output_code,
+    split_k_reduce,
+)
+from qfuse.kernels.gemm.call import OpArg
 from qfuse.kernels.grid import sm_count as _cuda_sm_count
 from qfuse.kernels.grid import split_k_locks
 from qfuse.kernels.layout import empty_nhwc
 from qfuse.kernels.schedules import split_for
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8 = torch.float8_e4m3fn
 SMS = 132  # H100/H200 SXM: the schedule rule's default when no GPU is asked
 
@@ -59,62 +73,38 @@ def _conv1x1_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, FP8_PROMOTE: tl.constexpr, EPI_SPLIT: tl.constexpr = 1,
 ):
-    """Grid (tiles, SPLIT_K). ``FP8_PROMOTE`` as ``conv._qconv_kernel``'s (fp8 accumulation
-    precision: 0 is Triton's sm_90 default)."""
+    """Grid (tiles, SPLIT_K). ``FP8_PROMOTE`` as ``implicit._qconv_kernel``'s (fp8 accumulation
+    precision: 0 is Triton's sm_90 default). ``EPI_SPLIT`` 2: the epilogue on the tile's two
+    column halves one after the other (``epilogue.column_parts``): the residual's and the
+    output's pointer tiles (64-bit each) are live for half the tile at a time."""
     pid = tl.program_id(0)
-    pid_m, pid_n = tile_indices(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    k_first = 0
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_first = tl.program_id(1) * per_split
-        k_tiles = tl.minimum(k_tiles, k_first + per_split)
+    offs_m, offs_n, pid_m, pid_n = tile_offsets(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_first, k_end = k_range(K, BLOCK_K, SPLIT_K)
     if FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(k_first, k_tiles):
-        a = x_desc.load([row0, k * BLOCK_K])
-        b = w_desc.load([col0, k * BLOCK_K])
+    for k in range(k_first, k_end):
+        a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
         acc = dot_acc(a, b.T, acc, FP8_PROMOTE)
 
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = col0 + tl.arange(0, BLOCK_N)
     is_last = True
     if SPLIT_K > 1:
         acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
     if is_last:
-        if EPI_SPLIT == 1:
+        WIDTH: tl.constexpr = BLOCK_N // EPI_SPLIT
+        first, second = column_parts(acc, EPI_SPLIT)
+        offs_h = pid_n * BLOCK_N + tl.arange(0, WIDTH)
+        for part in tl.static_range(EPI_SPLIT):
             conv_epilogue(
-                acc, offs_m, offs_n, offs_m < M, offs_n < N,
+                first if part == 0 else second, offs_m, offs_h, offs_m < M, offs_h < N,
                 scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
                 out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
                 HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
                 HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
             )
-        else:
-            # Two column halves one after the other: the residual's and the output's pointer
-            # tiles (64-bit each) are live for half the tile at a time.
-            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)),
-                                              (0, 2, 1)))
-            offs_h = col0 + tl.arange(0, BLOCK_N // 2)
-            conv_epilogue(
-                left, offs_m, offs_h, offs_m < M, offs_h < N,
-                scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
-                out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
-                HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
-                HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
-            )
-            offs_h += BLOCK_N // 2
-            conv_epilogue(
-                right, offs_m, offs_h, offs_m < M, offs_h < N,
-                scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, res_scale_ptr, res_zp_ptr,
-                out_inv_scale_ptr, out_zp_ptr, out_ptr, stride_rm, stride_om,
-                HAS_X_ZP, HAS_BIAS, ACT, HAS_RESIDUAL, RES_Q, HAS_RES_ZP, POST_ACT, OUT_Q,
-                HAS_OUT_ZP, OUT_MANT, OUT_EMIN, EXACT,
-            )
+            offs_h += WIDTH
 
 
 @dataclass(frozen=True)
@@ -139,12 +129,7 @@ class Conv1x1Config:
             raise UnsupportedError(
                 f"Conv1x1Config: epi_split={self.epi_split}; use 1 or 2 (column halves)."
             )
-        p = self.fp8_promote
-        if p and (p % 32 or not 32 <= p <= max(self.block_k, 32)):
-            raise UnsupportedError(
-                f"Conv1x1Config: fp8_promote={p}; use 0 (Triton's default) or a multiple of 32 "
-                f"(one fp8 wgmma's K) up to block_k={self.block_k}."
-            )
+        check_fp8_promote(self, max(self.block_k, 32))
         if self.split_k < 1 or self.block_k < 16:
             raise UnsupportedError(
                 f"Conv1x1Config: split_k={self.split_k}, block_k={self.block_k}; split_k >= 1 "
@@ -178,7 +163,7 @@ def conv1x1_candidates(M: int, N: int, K: int, sms: int = SMS) -> list[Conv1x1Co
 def pick_conv1x1_config(M: int, N: int, K: int, sms: int = SMS,
                         residual: bool = False) -> Conv1x1Config:
     """The schedule ``qconv2d`` runs (no autotuning on the call path), from every candidate
-    timed at resnet50's 1x1 shapes on an H200 (``bench/results/s12_h200/conv1x1_ab.json``):
+    timed at resnet50's 1x1 shapes on an H200:
 
     - with a residual (a bottleneck's last conv: residual read, add, ReLU, requantize): 128x128
       on 8 warps with the epilogue on column halves (whole tiles spill registers there), the
@@ -205,7 +190,7 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device)
 
 
-# Ways to run a 1x1 stride-1 conv: "tma" (this kernel) or "mma" (``conv._qconv_kernel``).
+# Ways to run a 1x1 stride-1 conv: "tma" (this kernel) or "mma" (``implicit._qconv_kernel``).
 CONV1X1_PATHS = ("tma", "mma")
 # QFUSE_CONV1X1_PATH=mma keeps every 1x1 conv on the implicit GEMM (A/B of whole networks);
 # "auto" (default): this kernel wherever it ``fits``.
@@ -265,60 +250,67 @@ def _operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torc
     return x2, w2
 
 
-def conv1x1(
-    x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
-    residual_zero_point, out_inv_scale, out_zero_point, act: str, post_act: str,
-    out_dtype: torch.dtype, config: Conv1x1Config | None = None, fp8_promote: int | None = None,
-) -> torch.Tensor:
-    """The conv on quantized channels-last ``x`` [N, C_in, H, W] (int8/fp8, the weight's dtype)
-    and packed ``weight`` [C_out, C_in, 1, 1]; returns channels-last [N, C_out, H, W] of
-    ``out_dtype``. ``weight_sum``: ``colsum(W)`` as int32 [C_out], needed with
-    ``x_zero_point``. Other arguments as ``ops.reference.qconv2d``. Launches directly (eager
-    or the interpreter); traced calls go through ``traced_conv1x1``."""
+def _schedule(x: torch.Tensor, call: ConvCall, residual: torch.Tensor | None,
+              config: Conv1x1Config | None, fp8_promote: int | None) -> Conv1x1Config:
+    """``config`` or ``pick_conv1x1_config``'s, with the fp8 promotion interval asked for."""
+    n, c_in, h, w = x.shape
+    cfg = config or pick_conv1x1_config(n * h * w, call.weight.shape[0], c_in,
+                                         sm_count(x.device), residual is not None)
+    if fp8_promote is not None:
+        cfg = dataclasses.replace(cfg, fp8_promote=promotion(fp8_promote, cfg.block_k))
+    return cfg
+
+
+def conv1x1(x: torch.Tensor, call: ConvCall, residual: torch.Tensor | None = None,
+            weight_sum: torch.Tensor | None = None, config: Conv1x1Config | None = None,
+            fp8_promote: int | None = None) -> torch.Tensor:
+    """The 1x1 conv ``call`` on quantized channels-last ``x`` [N, C_in, H, W] (int8/fp8, the
+    weight's dtype) with the packed ``call.weight`` [C_out, C_in, 1, 1]; returns channels-last
+    [N, C_out, H, W] of ``call.out_dtype``. ``weight_sum``: ``colsum(W)`` as int32 [C_out],
+    needed with ``call.x_zero_point``. Launches directly (eager or the interpreter); traced
+    calls go through ``traced_conv1x1``."""
+    weight = call.weight
     if x.dtype not in (torch.int8, FP8) or x.dtype != weight.dtype:
         raise UnsupportedError(
-            f"conv_tma.conv1x1: {x.dtype} input to a {weight.dtype} weight; quantize the input "
-            "first (conv.prequantize) to the weight's dtype."
+            f"conv.tma.conv1x1: {x.dtype} input to a {weight.dtype} weight; quantize the input "
+            "first (implicit.prequantize) to the weight's dtype."
         )
-    if x_zero_point is not None and weight_sum is None:
-        raise UnsupportedError("conv_tma.conv1x1: x_zero_point needs weight_sum (colsum(W)).")
+    if call.x_zero_point is not None and weight_sum is None:
+        raise UnsupportedError("conv.tma.conv1x1: x_zero_point needs weight_sum (colsum(W)).")
     n, c_in, h, w = x.shape
     c_out = weight.shape[0]
-    out = empty_nhwc((n, c_out, h, w), out_dtype, x.device)
+    out = empty_nhwc((n, c_out, h, w), call.out_dtype, x.device)
     M = n * h * w
     if M == 0 or c_out == 0:
         return out
-    cfg = config or pick_conv1x1_config(M, c_out, c_in, sm_count(x.device),
-                                         residual is not None)
-    if fp8_promote is not None:
-        cfg = dataclasses.replace(cfg, fp8_promote=promotion(fp8_promote, cfg.block_k))
+    cfg = _schedule(x, call, residual, config, fp8_promote)
     fp8 = weight.dtype == FP8
     x2, w2 = _operands(x, weight)
     if residual is not None:  # read as [M, C] rows, like the output
         residual = residual.contiguous(memory_format=torch.channels_last)
+    res_scale, res_zp = call.residual_qparams(residual)
     tiles = _tiles(M, c_out, cfg.block_m, cfg.block_n)
-    ws = locks = scale  # never read without split-K
+    ws = locks = call.scale  # never read without split-K
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, M, c_out), device=x.device,
                          dtype=torch.float32 if fp8 else torch.int32)
         # A graph being captured owns its buffers: fresh counters (the kernel re-zeroes them).
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         locks = split_k_locks(x.device, tiles, capturing)
-    dummy = scale
-    opt = lambda t: t if t is not None else dummy  # noqa: E731 - absent optional tensors
-    grid_bits = float_grid(out_dtype)
+    opt = lambda t: t if t is not None else call.scale  # noqa: E731 - absent: never read
+    grid_bits = float_grid(call.out_dtype)
     _conv1x1_tma_kernel[(tiles, cfg.split_k)](
         TensorDescriptor.from_tensor(x2, [cfg.block_m, cfg.block_k]),
         TensorDescriptor.from_tensor(w2, [cfg.block_n, cfg.block_k]),
-        scale, opt(bias), opt(x_zero_point), opt(weight_sum), opt(residual),
-        opt(residual_scale), opt(residual_zero_point), opt(out_inv_scale), opt(out_zero_point),
+        call.scale, opt(call.bias), opt(call.x_zero_point), opt(weight_sum), opt(residual),
+        opt(res_scale), opt(res_zp), opt(call.out_inv_scale), opt(call.out_zero_point),
         out, ws, locks,
         M, c_out, c_in, c_out, c_out,
-        HAS_X_ZP=x_zero_point is not None, HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[act],
-        HAS_RESIDUAL=residual is not None,
+        HAS_X_ZP=call.x_zero_point is not None, HAS_BIAS=call.bias is not None,
+        ACT=ACTIVATION_CODES[call.act], HAS_RESIDUAL=residual is not None,
         RES_Q=residual is not None and residual.dtype in (torch.int8, FP8),
-        HAS_RES_ZP=residual_zero_point is not None, POST_ACT=ACTIVATION_CODES[post_act],
-        OUT_Q=output_code(out_dtype), HAS_OUT_ZP=out_zero_point is not None,
+        HAS_RES_ZP=res_zp is not None, POST_ACT=ACTIVATION_CODES[call.post_act],
+        OUT_Q=output_code(call.out_dtype), HAS_OUT_ZP=call.out_zero_point is not None,
         OUT_MANT=grid_bits[0], OUT_EMIN=grid_bits[1], EXACT=INTERPRETED, FP8=fp8,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=cfg.split_k, FP8_PROMOTE=cfg.fp8_promote if fp8 else 0, EPI_SPLIT=cfg.epi_split,
@@ -330,40 +322,22 @@ def conv1x1(
 _FIELDS = [f.name for f in dataclasses.fields(Conv1x1Config)]
 
 
-@torch.library.custom_op("qfuse::tma_conv1x1", mutates_args=())
-def tma_conv1x1(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    x_zero_point: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    residual_scale: torch.Tensor | None,
-    residual_zero_point: torch.Tensor | None,
-    out_inv_scale: torch.Tensor | None,
-    out_zero_point: torch.Tensor | None,
-    activation: str,
-    post_activation: str,
-    out_dtype: torch.dtype,
-    config: list[int],
-) -> torch.Tensor:
+def _tma_op(*args) -> torch.Tensor:
     """``conv1x1`` as an opaque op: Inductor calls it like an extern kernel (CUDA graphs
-    capture its launch) and it builds the descriptors from the real tensors."""
+    capture its launch) and it builds the descriptors from the real tensors. Its schema is
+    ``qfuse::qconv2d``'s (no defaults) plus the weight's column sums and the schedule."""
+    x, call, residual = ConvCall.from_op_args(*args)
+    weight_sum, config = args[len(OP_ARGS.args):]
     if not x.permute(0, 2, 3, 1).is_contiguous():  # the graph may hand over another layout
         x = x.contiguous(memory_format=torch.channels_last)
     cfg = Conv1x1Config(**dict(zip(_FIELDS, config, strict=True)))
-    return conv1x1(x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
-                   residual_zero_point, out_inv_scale, out_zero_point, activation,
-                   post_activation, out_dtype, cfg)
+    return conv1x1(x, call, residual, weight_sum, cfg)
 
 
-@tma_conv1x1.register_fake
-def _(x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
-      residual_zero_point, out_inv_scale, out_zero_point, activation, post_activation,
-      out_dtype, config):
-    n, _, h, w = x.shape
-    return empty_nhwc((n, weight.shape[0], h, w), out_dtype, x.device)
+_tma_op.__signature__ = OP_ARGS.signature(OpArg("weight_sum", "Tensor?"),
+                                          OpArg("config", "SymInt[]"), defaults=False)
+tma_conv1x1 = torch.library.custom_op("qfuse::tma_conv1x1", _tma_op, mutates_args=())
+tma_conv1x1.register_fake(fake_output)
 
 
 # The longest fp8 promotion interval a requested one is held to: promoting every 128
@@ -378,18 +352,11 @@ def promotion(fp8_promote: int, block_k: int) -> int:
     return min(fp8_promote, block_k, MAX_PROMOTE) if fp8_promote else 0
 
 
-def traced_conv1x1(x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
-                   residual_zero_point, out_inv_scale, out_zero_point, act, post_act,
-                   out_dtype, config: Conv1x1Config | None = None,
+def traced_conv1x1(x: torch.Tensor, call: ConvCall, residual: torch.Tensor | None = None,
+                   weight_sum: torch.Tensor | None = None, config: Conv1x1Config | None = None,
                    fp8_promote: int | None = None) -> torch.Tensor:
     """``conv1x1`` from a traced ``qfuse::qconv2d`` body: the schedule is chosen here (shapes
     are concrete there) and passed to the op as integers."""
-    n, c_in, h, w = x.shape
-    cfg = config or pick_conv1x1_config(n * h * w, weight.shape[0], c_in, sm_count(x.device),
-                                         residual is not None)
-    if fp8_promote is not None:
-        cfg = dataclasses.replace(cfg, fp8_promote=promotion(fp8_promote, cfg.block_k))
-    return torch.ops.qfuse.tma_conv1x1(
-        x, weight, scale, bias, x_zero_point, weight_sum, residual, residual_scale,
-        residual_zero_point, out_inv_scale, out_zero_point, act, post_act, out_dtype,
-        [int(getattr(cfg, name)) for name in _FIELDS])
+    cfg = _schedule(x, call, residual, config, fp8_promote)
+    return torch.ops.qfuse.tma_conv1x1(*call.op_args(x, residual), weight_sum,
+                                       [int(getattr(cfg, name)) for name in _FIELDS])

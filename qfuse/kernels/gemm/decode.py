@@ -1,21 +1,21 @@
 """The decode (weight-streaming) schedule of the fused quantized GEMM: no tensor cores, many
-small programs, each streaming a few weight rows with 16-byte loads.
+small programs, each streaming a few weight rows with 16-byte loads. Its main loop
+(``decode_accumulate``) runs in ``mma._qlinear_kernel`` under ``DECODE``, which ends in the
+other schedules' epilogue (``epilogue.finish_tile``).
 
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k]        (int8: int32, exact; fp8: float32)
-    out       = _epilogue(acc)                       (``epilogue.gemm_epilogue``, as in ``qgemm``)
 
-At decode sizes (M = 1..32 tokens) a quantized GEMM is a weight stream: TinyLlama's o_proj is
-4 MB of int8, 0.9 us at the H200's 4.8 TB/s. ``mma_gemm._qlinear_kernel`` pads M to a 16-row MMA
-and fills the GPU by split-K over 64..256-column tiles: 32..160 programs, each streaming its
-tile through a pipeline, measured at 1.06 TB/s over a decode step (README, LLM decode). Here a
-program owns ``BLOCK_N`` whole weight rows (4..16) and ``BLOCK_K`` columns per step, so a
-2048-row weight gives 128..512 column blocks, and split-K (``schedules.decode_candidates``) brings
-the grid to ~8 programs per SM, each with its few steps' loads in flight; W is read in its
-stored [N, K] layout (K contiguous: 16-byte vector loads), and the next step's weights are
-loaded before this step's products. Without split-K (gate+up: 1408 column blocks of 8) each
-program reduces its rows over all of K: no workspace, no second pass. With it, the tile's last
-program sums the [BLOCK_M, BLOCK_N] partials in a fixed order (``epilogue.split_k_reduce``): a
-few hundred bytes, no second launch.
+At decode sizes (M = 1..32 tokens) a quantized GEMM is a weight stream (TinyLlama's o_proj is
+4 MB of int8). The MMA schedule pads M to a 16-row MMA and fills the GPU by split-K over
+64..256-column tiles: 32..160 programs, each streaming its tile through a pipeline, well short of
+the memory bandwidth over a decode step. Here a program owns ``BLOCK_N`` whole weight rows
+(4..16) and ``BLOCK_K`` columns per step, so a 2048-row weight gives 128..512 column blocks, and
+split-K (``schedules.decode_candidates``) brings the grid to ~8 programs per SM, each with its
+few steps' loads in flight; W is read in its stored [N, K] layout (K contiguous: 16-byte vector
+loads), and the next step's weights are loaded before this step's products. Without split-K
+(gate+up: 1408 column blocks of 8) each program reduces its rows over all of K: no workspace, no
+second pass. With it, the tile's last program sums the [BLOCK_M, BLOCK_N] partials in a fixed
+order (``epilogue.split_k_reduce``): a few hundred bytes, no second launch.
 
 Products are plain vector math, accumulated lane-wise in ``acc3`` [BLOCK_M, BLOCK_N, lanes] and
 summed once after the K loop. int8 with K % 4 == 0 ("words"): W is read as int32 words of four
@@ -25,10 +25,10 @@ fp8 (and int8 with other K): each byte converted to float32/int32 and multiplied
 are exact in any order, so int8 outputs stay bit-identical to the CPU reference; fp8 sums in a
 fixed order per schedule (deterministic), within float32 rounding of the reference.
 
-Offered by ``tuning`` (``GemmConfig.decode``) for the 1- and 2-row buckets, where it won on an
-H100 for int8 (0.82-0.97x the best MMA schedule's time at M = 1; it lost at M = 8 and 32);
-launched with the same arguments as ``mma_gemm._qlinear_kernel`` (plus the ``WORDS``, ``EVEN_K``
-and ``X_WORDS`` constexprs), so the eager cached launch and ``wrap_triton`` take it unchanged.
+Offered by ``tuning`` (``GemmConfig.decode``) for the 1- and 2-row buckets, where it beat the
+best MMA schedule on an H100 for int8 at M = 1 (it lost at M = 8 and 32); launched with the
+other schedules' arguments (plus the ``WORDS``, ``EVEN_K`` and ``X_WORDS`` constexprs, set by
+``decode_args``), so the eager cached launch and ``wrap_triton`` take it unchanged.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qfuse.kernels.common import INTERPRETED, pdl_wait, quantize_fp8, quantize_int8
-from qfuse.kernels.epilogue import finish_tile, split_k_reduce
+from qfuse.kernels.common import INTERPRETED_JIT, pdl_wait, quantize_int8, quantize_tile
 from qfuse.kernels.grid import pdl
 
 
@@ -49,7 +48,7 @@ def dp4a(a, b, c):
     On the GPU one ``dp4a.s32.s32``; in the interpreter (no inline PTX) the same sum from
     sign-extended bytes: shifting byte j to the top and arithmetically back extends its sign.
     """
-    if INTERPRETED:
+    if INTERPRETED_JIT:
         s = c
         for j in tl.static_range(4):
             s += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
@@ -98,13 +97,8 @@ def _x_tile(x_ptr, x_inv_scale_ptr, offs_m, mask_m, k, K, stride_xm, stride_xk, 
     a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     if not X_QUANTIZED:
-        inv = x_inv_scale
-        if X_INV_VEC:
-            inv = tl.load(x_inv_scale_ptr + k, mask=mask_k, other=0.0)[None, :]
-        if FP8:
-            a = quantize_fp8(a.to(tl.float32), inv, EXACT)
-        else:
-            a = quantize_int8(a.to(tl.float32), inv, x_zp)
+        a = quantize_tile(a, x_inv_scale_ptr + k, mask_k, x_inv_scale, x_zp, FP8, X_INV_VEC,
+                          EXACT)
     if FP8:
         a = a.to(tl.float32)
     else:
@@ -113,14 +107,28 @@ def _x_tile(x_ptr, x_inv_scale_ptr, offs_m, mask_m, k, K, stride_xm, stride_xk, 
 
 
 @triton.jit
+def _w_step(w_ptrs, step, k_end, offs, limit, STEP: tl.constexpr, EVEN_K: tl.constexpr,
+            ZERO: tl.constexpr):
+    """The weights of K step ``step`` (``ZERO`` from ``k_end`` on): columns ``offs`` of the
+    step, those from ``limit - step * STEP`` on masked too unless every step is whole
+    (``EVEN_K``)."""
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=step < k_end, other=ZERO)
+    else:
+        return tl.load(w_ptrs, mask=(step < k_end) & (offs < limit - step * STEP)[None, :],
+                       other=ZERO)
+
+
+@triton.jit
 def decode_accumulate(
-    x_ptr, w_ptr, x_inv_scale_ptr, x_zp_ptr, offs_m, mask_m, cols, K, k_first, k_end,
+    x_ptr, w_ptr, x_inv_scale_ptr, x_inv_scale, x_zp, offs_m, mask_m, cols, K, k_first, k_end,
     stride_xm, stride_xk, stride_wn, stride_wk,
-    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
-    HAS_X_ZP: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    EVEN_K: tl.constexpr, X_WORDS: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_K: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """acc [BM, BN] = x_q[offs_m, K-steps k_first..k_end) @ W[cols, same]^T.
+    """acc [BM, BN] = x_q[offs_m, K-steps k_first..k_end) @ W[cols, same]^T, x quantized with
+    ``x_inv_scale`` and ``x_zp`` (``common.input_qparams``) when float.
 
     ``cols`` are in-range row indices of W (the caller clamps past-the-edge ones), so only the
     K tail is masked, and not at all when ``EVEN_K``. Each step's weights are loaded one step
@@ -131,36 +139,20 @@ def decode_accumulate(
     its writes are visible. Everything after it (x, scales, the residual, every store) may
     depend on that kernel; the weights do not, so their first loads overlap its tail.
     """
-    x_inv_scale = 1.0
-    x_zp = 0.0
-    if not X_QUANTIZED:
-        if not X_INV_VEC:
-            x_inv_scale = tl.load(x_inv_scale_ptr)
-        if HAS_X_ZP:
-            x_zp = tl.load(x_zp_ptr).to(tl.float32)
     if WORDS:
         BKW: tl.constexpr = BLOCK_K // 4
-        KW = K // 4
         offs_kw = tl.arange(0, BKW)
         # Row starts in bytes first (stride_wn is specialized as a multiple of 16, so the
         # compiler knows each row is 16-byte aligned), then words: v4 loads, not 4 scalar ones.
         rows = w_ptr + cols * stride_wn + k_first * BLOCK_K
         w_ptrs = rows.to(tl.pointer_type(tl.int32))[:, None] + offs_kw[None, :]
         acc3 = tl.zeros((offs_m.shape[0], cols.shape[0], BKW), dtype=tl.int32)
-        if EVEN_K:
-            w_next = tl.load(w_ptrs, mask=k_first < k_end, other=0)
-        else:
-            w_next = tl.load(w_ptrs, mask=(k_first < k_end)
-                             & (offs_kw < KW - k_first * BKW)[None, :], other=0)
+        w_next = _w_step(w_ptrs, k_first, k_end, offs_kw, K // 4, BKW, EVEN_K, 0)
         pdl_wait(PDL)
         for k in range(k_first, k_end):
             w = w_next
             w_ptrs += BKW
-            if EVEN_K:
-                w_next = tl.load(w_ptrs, mask=k + 1 < k_end, other=0)
-            else:
-                w_next = tl.load(w_ptrs, mask=(k + 1 < k_end)
-                                 & (offs_kw < KW - (k + 1) * BKW)[None, :], other=0)
+            w_next = _w_step(w_ptrs, k + 1, k_end, offs_kw, K // 4, BKW, EVEN_K, 0)
             xw = _x_words(x_ptr, x_inv_scale_ptr, offs_m, mask_m, k * BKW + offs_kw, K,
                           stride_xm, stride_xk, x_inv_scale, x_zp, X_QUANTIZED, X_INV_VEC,
                           X_WORDS)
@@ -180,20 +172,12 @@ def decode_accumulate(
         acc = tl.zeros((offs_m.shape[0], cols.shape[0]), dtype=acc_dtype)
         if LANES:
             acc3 = tl.zeros((1, cols.shape[0], BLOCK_K), dtype=acc_dtype)
-        if EVEN_K:
-            w_next = tl.load(w_ptrs, mask=k_first < k_end, other=0.0)
-        else:
-            w_next = tl.load(w_ptrs, mask=(k_first < k_end)
-                             & (offs_k < K - k_first * BLOCK_K)[None, :], other=0.0)
+        w_next = _w_step(w_ptrs, k_first, k_end, offs_k, K, BLOCK_K, EVEN_K, 0.0)
         pdl_wait(PDL)
         for k in range(k_first, k_end):
             w = w_next
             w_ptrs += BLOCK_K * stride_wk
-            if EVEN_K:
-                w_next = tl.load(w_ptrs, mask=k + 1 < k_end, other=0.0)
-            else:
-                w_next = tl.load(w_ptrs, mask=(k + 1 < k_end)
-                                 & (offs_k < K - (k + 1) * BLOCK_K)[None, :], other=0.0)
+            w_next = _w_step(w_ptrs, k + 1, k_end, offs_k, K, BLOCK_K, EVEN_K, 0.0)
             a = _x_tile(x_ptr, x_inv_scale_ptr, offs_m, mask_m, k * BLOCK_K + offs_k, K,
                         stride_xm, stride_xk, x_inv_scale, x_zp, FP8, X_QUANTIZED, X_INV_VEC,
                         EXACT)
@@ -210,64 +194,6 @@ def decode_accumulate(
         return acc
 
 
-@triton.jit(do_not_specialize=["M"])
-def _qlinear_decode_kernel(
-    x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, x_inv_scale_ptr, x_zp_ptr, wsum_ptr, res_ptr,
-    out_inv_scale_ptr, out_zp_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    FP8: tl.constexpr, X_QUANTIZED: tl.constexpr, X_INV_VEC: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr, HAS_X_ZP: tl.constexpr, ZP_CORR: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_Q: tl.constexpr, HAS_OUT_ZP: tl.constexpr,
-    OUT_MANT: tl.constexpr, OUT_EMIN: tl.constexpr, EXACT: tl.constexpr, FAST_ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-    # decode only: W (and int8 x) read as int32 words of 4 int8 (dp4a); K a multiple of BLOCK_K
-    WORDS: tl.constexpr, EVEN_K: tl.constexpr, X_WORDS: tl.constexpr,
-    # launched as a programmatic dependent launch (``grid.pdl``)
-    PDL: tl.constexpr = False,
-):
-    """``_qlinear_kernel``'s arguments and numbers for small M without tensor cores: see
-    ``decode_gemm``. Program ``(pid, s)`` computes rows ``BLOCK_M`` x columns ``BLOCK_N`` over
-    the ``s``-th of ``SPLIT_K`` K ranges; the row blocks of one column block are neighbours in
-    launch order, so a weight slice read by one is in L2 for the next. ``GROUP_M`` and
-    ``EPI_SPLIT`` are unused (one small tile, one epilogue)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Columns past N read row 0 of W instead (the store mask drops them): unmasked rows.
-    cols = tl.where(offs_n < N, offs_n, 0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    k_first = 0
-    k_end = k_tiles
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_first = tl.program_id(1) * per_split
-        k_end = tl.minimum(k_tiles, k_first + per_split)
-    acc = decode_accumulate(
-        x_ptr, w_ptr, x_inv_scale_ptr, x_zp_ptr, offs_m, offs_m < M, cols, K, k_first, k_end,
-        stride_xm, stride_xk, stride_wn, stride_wk,
-        FP8, X_QUANTIZED, X_INV_VEC, HAS_X_ZP, EXACT, BLOCK_K, WORDS, EVEN_K, X_WORDS, PDL,
-    )
-
-    is_last = True
-    if SPLIT_K > 1:
-        acc, is_last = split_k_reduce(acc, offs_m, offs_n, M, N, ws_ptr, lock_ptr + pid, SPLIT_K)
-    if is_last:
-        finish_tile(
-            acc, offs_m, pid_n, M, N,
-            scale_ptr, x_scale_ptr, bias_ptr, x_zp_ptr, wsum_ptr, res_ptr, out_inv_scale_ptr,
-            out_zp_ptr, out_ptr,
-            stride_rm, stride_rn, stride_om, stride_on,
-            X_ROW_SCALE, ZP_CORR, HAS_BIAS, ACT, HAS_RESIDUAL, OUT_Q, HAS_OUT_ZP,
-            OUT_MANT, OUT_EMIN, EXACT, FAST_ACT, BLOCK_N, 1,
-        )
-
-
 def words(t: torch.Tensor) -> bool:
     """Whether the decode kernel may read int8 ``t`` (W [N, K] or x [M, K]) as int32 words:
     K-contiguous rows of a multiple of 4 bytes, starting 4-byte aligned (the storage itself
@@ -278,10 +204,11 @@ def words(t: torch.Tensor) -> bool:
 
 
 def decode_args(args: dict, x: torch.Tensor, weight: torch.Tensor, cfg) -> dict:
-    """``qgemm.gemm_args``' arguments plus the decode kernel's own: whether W (and x) are read
-    as int32 words, whether K is a whole number of blocks, and whether it is launched as a
+    """``launch.gemm_args``' arguments with the decode schedule's flags: whether W (and x) are
+    read as int32 words, whether K is a whole number of blocks, and whether it is launched as a
     programmatic dependent launch (``grid.pdl``)."""
     w_words = words(weight)
-    return {**args, "WORDS": w_words, "EVEN_K": args["K"] % cfg.block_k == 0,
-            "X_WORDS": w_words and words(x), "PDL": pdl(x.device)}
+    return {**args, "PERSISTENT": False, "TMA": False, "DECODE": True, "WORDS": w_words,
+            "EVEN_K": args["K"] % cfg.block_k == 0, "X_WORDS": w_words and words(x),
+            "PDL": pdl(x.device)}
 

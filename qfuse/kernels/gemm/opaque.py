@@ -7,7 +7,7 @@ host-side tensor descriptors built inside the body (the TMA family: tracing pass
 (the decode family's programmatic dependent launch: ``wrap_triton`` forwards ``num_warps`` and
 the like, not ``launch_pdl``). Such a schedule is launched through this op instead: Inductor calls
 it like any extern kernel (and CUDA graphs capture its launch), and it launches with the real
-tensors.
+tensors. Its schema is ``qfuse::qlinear``'s (``call.OP_ARGS``, no defaults) plus the schedule.
 """
 
 from __future__ import annotations
@@ -16,50 +16,30 @@ import dataclasses
 
 import torch
 
-from qfuse.kernels.common import out_features
+from qfuse.kernels.gemm.call import OP_ARGS, GemmCall, OpArg, fake_output
 from qfuse.kernels.gemm.launch import launch
 from qfuse.kernels.schedules import GemmConfig
 
 _FIELDS = [f.name for f in dataclasses.fields(GemmConfig)]
 
 
-@torch.library.custom_op("qfuse::qlinear_launch", mutates_args=())
-def qlinear_launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    x_inv_scale: torch.Tensor | None,
-    x_zero_point: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    out_inv_scale: torch.Tensor | None,
-    out_zero_point: torch.Tensor | None,
-    activation: str,
-    out_dtype: torch.dtype,
-    config: list[int],
-    fast_act: bool,
-) -> torch.Tensor:
+def _launch(*args, **kwargs) -> torch.Tensor:
+    config = kwargs["config"] if "config" in kwargs else args[len(OP_ARGS.args)]
+    x, call, x_scale, residual = GemmCall.from_op_args(*args, **kwargs)
     cfg = GemmConfig(**dict(zip(_FIELDS, config, strict=True)))
-    out = torch.empty((x.shape[0], out_features(weight.shape[0], activation)), device=x.device,
-                      dtype=out_dtype)
+    out = torch.empty((x.shape[0], call.out_features), device=x.device, dtype=call.out_dtype)
     if x.shape[0]:
-        launch(x, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
-               out_inv_scale, out_zero_point, activation, out, cfg, fast_act)
+        launch(x, call, x_scale, residual, out, cfg)
     return out
 
 
-@qlinear_launch.register_fake
-def _(x, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum, residual,
-      out_inv_scale, out_zero_point, activation, out_dtype, config, fast_act):
-    return x.new_empty((x.shape[0], out_features(weight.shape[0], activation)), dtype=out_dtype)
+_launch.__signature__ = OP_ARGS.signature(OpArg("config", "SymInt[]"), defaults=False)
+qlinear_launch = torch.library.custom_op("qfuse::qlinear_launch", _launch, mutates_args=())
+qlinear_launch.register_fake(fake_output)
 
 
-def traced_qlinear(x, weight, scale, x_scale, bias, x_inv_scale, x_zero_point, weight_sum,
-                   residual, out_inv_scale, out_zero_point, act, out_dtype, cfg: GemmConfig,
-                   fast_act: bool) -> torch.Tensor:
+def traced_qlinear(x: torch.Tensor, call: GemmCall, x_scale: torch.Tensor | None,
+                   residual: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
+    """``call`` on 2-D ``x`` with schedule ``cfg`` as one ``qfuse::qlinear_launch`` node."""
     config = [int(getattr(cfg, name)) for name in _FIELDS]
-    return torch.ops.qfuse.qlinear_launch(x, weight, scale, x_scale, bias, x_inv_scale,
-                                          x_zero_point, weight_sum, residual, out_inv_scale,
-                                          out_zero_point, act, out_dtype, config, fast_act)
+    return torch.ops.qfuse.qlinear_launch(*call.op_args(x, x_scale, residual), config)

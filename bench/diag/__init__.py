@@ -1,0 +1,1 @@
+"""Diagnostics: where a number comes from (profiles, host time, error growth, register use)."""
