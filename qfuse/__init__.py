@@ -15,6 +15,8 @@ source with Inductor's helpers): about 2 s that a process only running a convert
 
 import importlib
 import importlib.util
+import pkgutil
+import sys
 
 import torch
 
@@ -86,11 +88,29 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
+def register_ops() -> None:
+    """Register every ``qfuse::*`` op with torch (what running any qfuse flow does). Needed
+    before ``torch.jit.load`` of an exported TorchScript file, whose C++ loader looks ops up
+    past any Python hook; ``torch.export.load`` and a pickled model find them without it.
+
+    Example:
+        >>> import torch, qfuse
+        >>> qfuse.register_ops()
+        >>> torch.ops.qfuse.qlinear.default
+        qfuse.qlinear.default
+    """
+    import qfuse.kernels.conv.tma  # noqa: F401 -- qfuse::tma_conv1x1 (a CUDA program's)
+    import qfuse.kernels.gemm.opaque  # noqa: F401 -- qfuse::qlinear_launch
+    import qfuse.ops
+
+    for module in pkgutil.iter_modules(qfuse.ops.__path__, "qfuse.ops."):
+        importlib.import_module(module.name)  # every qfuse::* op of the layers
+
+
 class _OpsOnFirstUse(torch._ops._OpNamespace):
     """``torch.ops.qfuse``, registering qfuse's ops the first time one is looked up: a program
     saved by ``qfuse.export_program`` loads with ``torch.export.load`` after ``import qfuse``
-    alone, as before the ops were loaded lazily. (``torch.jit.load`` finds ops in the C++
-    registry, past any Python hook: import ``qfuse.nn`` before it.)"""
+    alone, as before the ops were loaded lazily."""
 
     # The ops' ``__module__`` is derived from this: as torch's own namespaces', so a program
     # names them ``torch.ops.qfuse.*`` (from here it wrote "qfuse.qfuse.qlinear.default").
@@ -100,12 +120,21 @@ class _OpsOnFirstUse(torch._ops._OpNamespace):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name.startswith("__"):
+            # torch asks whether an op exists while qfuse's own modules define theirs: loading
+            # the rest then would import those modules half-initialised. Not there yet.
+            if name.startswith("__") or _importing_qfuse():
                 raise
-        import qfuse.nn  # noqa: F401 -- every qfuse::* op and kernel op, registered
-        import qfuse.ops.decode_attention  # noqa: F401
-
+        register_ops()
         return super().__getattr__(name)
+
+
+def _importing_qfuse() -> bool:
+    """Whether a ``qfuse.*`` module is being executed by the import system right now."""
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name.startswith("qfuse.")
+    )
 
 
 if "qfuse" not in torch.ops.__dict__:
@@ -161,4 +190,5 @@ __all__ = [
     "export_compressed_tensors",
     "load_compressed_tensors",
     "export_onnx",
+    "register_ops",
 ]

@@ -39,12 +39,15 @@ def test_import_qfuse_adds_little_to_import_torch():
 
 
 def test_import_qfuse_loads_nothing_heavy_and_every_name_on_use():
-    code = ("import sys, qfuse; print(sorted(m for m in sys.modules if m in {heavy!r}));"
-            "from qfuse import convert, Backend, export_onnx; import torch;"
-            "print(torch.ops.qfuse.qlinear.default, qfuse.export.onnx.session_options.__name__)")
-    lines = _fresh(code.format(heavy=set(HEAVY))).stdout.splitlines()
-    assert lines[0] == "[]", lines[0]
-    assert lines[1] == "qfuse.qlinear.default session_options"
+    code = ("import sys, torch, qfuse; print(sorted(m for m in sys.modules if m in {heavy!r}));"
+            "print(*[getattr(torch.ops.qfuse, op).default for op in {ops!r}]);"
+            "from qfuse import convert, Backend, export_onnx;"
+            "print(qfuse.export.onnx.session_options.__name__)")
+    ops = ["attention_quant", "qlinear_launch", "layer_norm_quant"]  # what a program may call
+    lines = _fresh(code.format(heavy=set(HEAVY), ops=ops)).stdout.splitlines()
+    assert lines[0] == "[]", lines[0]  # loaded by nothing, until the first op is looked up:
+    assert lines[1] == " ".join(f"qfuse.{op}.default" for op in ops)  # torch.export.load's way
+    assert lines[2] == "session_options"
     assert set(qfuse.__all__) <= set(dir(qfuse))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         qfuse.nope  # noqa: B018

@@ -72,7 +72,9 @@ class LayerPlan:
         so ``int8_dynamic()`` converts without calibration (what needs data, SmoothQuant's
         ranges and GPTQ's Hessians, says so when it reads them)."""
         observer = self.observers[chain.input]
-        if config.is_dynamic and not int(observer.num_batches):
+        # QAT's and an imported file's qparams sources hold fixed values and count no batches
+        seen = getattr(observer, "num_batches", None)
+        if config.is_dynamic and seen is not None and not int(seen):
             return None, None
         return _per_tensor_qparams(observer, self.symmetric_input(chain))
 

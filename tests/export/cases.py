@@ -167,14 +167,15 @@ def on_cuda(case: Case) -> tuple[fx.GraphModule, list[tuple[tuple, dict]]]:
 
 
 # The child shares nothing with the test process: it imports qfuse (torch.ops.qfuse registers
-# the qfuse:: ops when torch.export.load looks one up; TorchScript's loader needs qfuse.nn
-# imported), then for each job imports the modules the file's input/output classes live in,
-# loads the file with LOADERS[kind], runs each saved input and saves the flattened outputs.
+# the qfuse:: ops when torch.export.load looks one up; TorchScript's loader needs
+# qfuse.register_ops()), then for each job imports the modules the file's input/output classes
+# live in, loads the file with LOADERS[kind], runs each saved input and saves the flattened
+# outputs.
 CHILD = """
 import importlib, sys, torch, qfuse
 from torch.utils import _pytree as pytree
 def jit_load(path):
-    importlib.import_module("qfuse.nn")  # the C++ loader finds ops registered, past torch.ops
+    qfuse.register_ops()  # TorchScript's C++ loader finds ops registered, past torch.ops
     return torch.jit.load(path)
 LOADERS = {"torchscript": jit_load, "program": lambda p: torch.export.load(p).module()}
 results = []

@@ -277,6 +277,10 @@ def test_a_model_without_a_module_its_config_builds_exports_what_it_has(tmp_path
         want = swapped(input_ids=ids).last_hidden_state
         got = back(input_ids=ids).last_hidden_state
     assert (got - want).abs().max() <= BOUND["int8_static"] * want.abs().max()
+    swapped.save_pretrained(tmp_path / "hf")  # qfuse's own format: the same model back
+    again = transformers.BertModel.from_pretrained(tmp_path / "hf", add_pooling_layer=False)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).last_hidden_state, want)
 
 
 def test_a_model_from_qfuse_load_exports_with_its_float_model(tmp_path, tmp_path_factory):

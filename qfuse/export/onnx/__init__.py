@@ -9,9 +9,11 @@ reshapes) goes through torch's own ONNX translation, as far as that covers the m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import warnings
 
@@ -64,6 +66,20 @@ def batch_and_sequence(model, args: tuple, kwargs: dict) -> dict:
         return {0: auto, 1: auto} if tokens or value.dim() == 3 else {0: auto}
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+@contextlib.contextmanager
+def _quiet_registration():
+    """torch.onnx's exporter logs a warning per torchvision op it cannot register when
+    torchvision is not installed ("torchvision is not installed. Skipping torchvision::nms",
+    four per export): nothing to do with the model exported."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def export_onnx(
@@ -132,7 +148,7 @@ def export_onnx(
     if dynamic_shapes is None:
         dynamic_shapes = batch_and_sequence(qmodel, args, kwargs)
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), _quiet_registration():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 graph, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, dynamo=True,
@@ -145,12 +161,21 @@ def export_onnx(
     described = {name: _describe(mod) for name, mod in layers}
     program.model.metadata_props["qfuse.notes"] = json.dumps(notes)
     program.model.metadata_props["qfuse.layers"] = json.dumps(described)
-    from qfuse.export.onnx.proto import dedicate_dequantize, name_dynamic_dims, unshare_qparams
+    from qfuse.export.onnx.proto import (
+        dedicate_dequantize,
+        name_dynamic_dims,
+        name_outputs,
+        output_names,
+        unshare_qparams,
+    )
 
     model = program.model_proto
     dedicate_dequantize(model)
     unshare_qparams(model)
     name_dynamic_dims(model)
+    spec = getattr(qmodel, "_out_spec", None)
+    if spec is not None:  # the exporter names them after graph nodes (layer_norm_12, tanh)
+        name_outputs(model, output_names(spec))
     with atomic_path(path) as tmp:
         onnx.save(model, tmp)
         try:

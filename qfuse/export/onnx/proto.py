@@ -120,3 +120,53 @@ def name_dynamic_dims(model) -> dict[str, str]:
             if dim.dim_param in names:
                 dim.dim_param = names[dim.dim_param]
     return names
+
+
+def output_names(spec) -> list[str]:
+    """Names of the flat outputs of pytree ``spec`` (a converted graph's ``_out_spec``), as the
+    model names them: a ``ModelOutput``'s or dict's keys (``last_hidden_state``), tuple
+    positions as ``output_0``..., nested names joined with ``.``, a lone tensor ``output``.
+
+    Example:
+        >>> from torch.utils import _pytree as pytree
+        >>> output_names(pytree.tree_flatten({"logits": 0, "hidden": (1, 2)})[1])
+        ['logits', 'hidden.0', 'hidden.1']
+    """
+    def walk(node, prefix: str):
+        if node.is_leaf():
+            yield prefix or "output"
+            return
+        context = node.context
+        if isinstance(context, type) and hasattr(context, "_fields"):  # a namedtuple
+            context = context._fields
+        keys = list(context) if isinstance(context, (list, tuple)) else None
+        for i, child in enumerate(node.children()):
+            key = str(keys[i]) if keys is not None and i < len(keys) else str(i)
+            if not prefix and keys is None:
+                key = f"output_{i}"
+            yield from walk(child, f"{prefix}.{key}" if prefix else key)
+
+    return list(walk(spec, ""))
+
+
+def name_outputs(model, names: list[str]) -> dict[str, str]:
+    """Rename the graph outputs of ONNX ``model`` to ``names`` (in order), everywhere they are
+    read or written; returns the mapping. Left as they are when the counts differ or a name is
+    taken by another value."""
+    outputs = model.graph.output
+    if len(names) != len(outputs) or len(set(names)) != len(names):
+        return {}
+    taken = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    taken |= {t.name for t in model.graph.initializer}
+    olds = [o.name for o in outputs]
+    if len(set(olds)) != len(olds) or any(n in taken - set(olds) for n in names):
+        return {}
+    mapping = dict(zip(olds, names, strict=True))
+    for node in model.graph.node:
+        for seq in (node.input, node.output):
+            for i, name in enumerate(seq):
+                if name in mapping:
+                    seq[i] = mapping[name]
+    for value in (*outputs, *model.graph.value_info):
+        value.name = mapping.get(value.name, value.name)
+    return mapping
