@@ -20,7 +20,9 @@ rows: correct, at the cost of the other members' columns. ``torch.compile`` trac
 logic (the kept output is a value inside one compiled frame, cleared when the last member takes
 its rows, so nothing is kept between calls); it cannot read version counters, so a compiled
 model trusts that the input is not modified in place between the members' calls, which no
-attention forward does.
+attention forward does. Tensors made under ``torch.inference_mode()`` keep no version counter
+either (reading it raises), so there the same trust applies; serving code and
+sentence-transformers' ``encode()`` run there.
 """
 
 from __future__ import annotations
@@ -92,16 +94,23 @@ class QSibling(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         owner = self.owner
         kept = owner._stash
-        eager = not torch.compiler.is_compiling()
-        if (kept is not None and kept[0] is x and kept[2] > 0
-                and (not eager or kept[3] == x._version)):
+        version = _version(x)
+        if kept is not None and kept[0] is x and kept[2] > 0 and kept[3] == version:
             out = kept[1]
-            owner._stash = (x, out, kept[2] - 1, kept[3]) if kept[2] > 1 else None
+            owner._stash = (x, out, kept[2] - 1, version) if kept[2] > 1 else None
         else:
             out = owner.merged(x)
-            owner._stash = (x, out, self.members - 1, x._version if eager else 0)
+            owner._stash = (x, out, self.members - 1, version)
         return out[..., self.start:self.end]
 
     def extra_repr(self) -> str:
         return (f"member {self.index + 1} of {self.members}: rows {self.start}:{self.end} of "
                 f"one merged GEMM")
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s in-place modification count where torch keeps one, else 0 (trusted unmodified):
+    compiled frames cannot read it, and inference tensors have none."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return 0
+    return x._version

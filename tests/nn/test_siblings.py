@@ -89,6 +89,20 @@ def test_member_alone_other_input_or_modified_input_recomputes():
     assert len(calls) == 3 + 4  # 3 direct merged calls in the asserts, 4 by the members
 
 
+def test_inference_mode_keeps_one_gemm():
+    """Inference tensors keep no version counter (reading one raises): the members trust the
+    input, as a compiled frame does, and still run the merged GEMM once."""
+    _, qmodel, x = _converted()
+    with torch.no_grad():
+        expected = qmodel(x)
+    calls = _count_merged(qmodel)
+    with torch.inference_mode():
+        h = x.clone()  # made here: an inference tensor
+        out = qmodel(h)
+    assert h.is_inference() and torch.equal(out, expected)
+    assert len(calls) == 1 and qmodel.q._stash is None
+
+
 def test_deepcopy_and_compile_keep_one_gemm():
     _, qmodel, x = _converted()
     copied = copy.deepcopy(qmodel)

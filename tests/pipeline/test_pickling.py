@@ -27,7 +27,10 @@ def _torch_saved(m):
 
 
 def _outputs(out):
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+    for key in ("last_hidden_state", "logits"):
+        if hasattr(out, key):
+            return getattr(out, key)
+    return out
 
 
 def _mlp():
@@ -44,8 +47,17 @@ def _bert():
     return tiny_bert(), (), token_batch()
 
 
+def _llama():
+    """Gate/up as one GEMM (QGatedMLP), merged Q/K/V, and what the transformers integration
+    attaches to a swapped model (its quantizer, decode graphs)."""
+    from tests.zoo_models import build
+
+    model, make_inputs, _ = build("llama")
+    return model, (), make_inputs()
+
+
 @pytest.mark.parametrize("output", ["graph", "model"])
-@pytest.mark.parametrize("make", [_mlp, _cnn, _bert], ids=["mlp", "cnn", "bert"])
+@pytest.mark.parametrize("make", [_mlp, _cnn, _bert, _llama], ids=["mlp", "cnn", "bert", "llama"])
 def test_converted_models_pickle_save_and_deepcopy(make, output):
     model, args, kwargs = make()
     prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), example_inputs=args,
@@ -58,6 +70,12 @@ def test_converted_models_pickle_save_and_deepcopy(make, output):
             again = copier(qmodel)
             assert torch.equal(_outputs(again(*args, **kwargs)), ref), copier.__name__
             assert str(qfuse.summary(again)) == str(qfuse.summary(qmodel))
+    if make is _llama and output == "model":  # a copy generates the same tokens
+        greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+        ids = kwargs["input_ids"][:, :5]
+        with torch.no_grad():
+            assert torch.equal(_torch_saved(qmodel).generate(ids, **greedy),
+                               qmodel.generate(ids, **greedy))
     if output == "graph":  # a copy of a copy, and its shape guards still name the input
         twice = _pickled(_torch_saved(qmodel))
         with torch.no_grad():
