@@ -7,6 +7,7 @@ is recorded with its error instead of a time, so a row never silently disappears
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,6 +34,35 @@ def ints(text: str) -> list[int]:
 def shapes(text: str) -> list[tuple[int, ...]]:
     """``"768x3072,4096x4096"`` -> ``[(768, 3072), (4096, 4096)]`` (an argparse ``type``)."""
     return [tuple(int(d) for d in shape.split("x")) for shape in text.split(",")]
+
+
+def call_args(kind: type, flat: dict) -> dict:
+    """A case written as one flat dict of a fused op's arguments by name, as the kernels and
+    ``ops.reference`` take it: the call description's fields built into ``call`` (``kind``:
+    ``GemmCall`` or ``ConvCall``, once per layer as ``qfuse.nn`` does), the per-call tensors
+    (``x``, ``x_scale``, ``residual``) left beside it, so that ``dispatch.qlinear(**args)``,
+    ``implicit.qconv2d(**args)`` and their references take it as it is."""
+    fields = {f.name for f in dataclasses.fields(kind)}
+    return {"call": kind(**{k: v for k, v in flat.items() if k in fields}),
+            **{k: v for k, v in flat.items() if k not in fields}}
+
+
+def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``fn`` applied to a tensor, or to each tensor field of a call description (a new one:
+    they are frozen); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: fn(getattr(value, f.name)) for f in dataclasses.fields(value)
+            if isinstance(getattr(value, f.name), torch.Tensor)})
+    return value
+
+
+def to_device(args: dict, device) -> dict:
+    """``call_args``' dict (or any dict of arguments) with every tensor on ``device``, the
+    call's included: a GPU case checked against the CPU reference."""
+    return {k: map_tensors(v, lambda t: t.to(device)) for k, v in args.items()}
 
 
 # torchao's quantize_ (``set_inductor_config=True``, its default) sets these Inductor options for

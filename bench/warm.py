@@ -15,12 +15,16 @@ import time
 
 import torch
 
+from bench import harness as H
+from qfuse.kernels.gemm.call import GemmCall
+
 FP8 = torch.float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One call pattern of ``qgemm.qlinear``: kind ("int8-xf", "fp8-xq", ...), epilogue, x mode."""
+    """One call pattern of ``dispatch.qlinear``: kind ("int8-xf", "fp8-xq", ...), epilogue, x
+    mode."""
 
     kind: str
     act: str = "relu"
@@ -39,6 +43,8 @@ class Variant:
 
 
 def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
+    """``dispatch.qlinear``'s (and ``reference.qlinear``'s) arguments for ``v`` at this shape:
+    ``x``, the layer's ``call``, ``x_scale`` and ``residual``."""
     qdtype = FP8 if v.kind.startswith("fp8") else torch.int8
     zp = v.asym and qdtype == torch.int8
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
@@ -46,7 +52,7 @@ def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
         x = (x * 20).clamp(-127, 127).to(qdtype)
     w = (torch.randn(N, K, device=device) * 20).clamp(-127, 127).to(qdtype)
     one = torch.ones((), device=device)
-    return dict(
+    return H.call_args(GemmCall, dict(
         x=x, weight=w, scale=torch.rand(N, device=device) * 1e-4,
         bias=torch.randn(N, device=device),
         x_inv_scale=one * 20 if v.kind.endswith("xf") and not v.dynamic else None,
@@ -59,7 +65,8 @@ def make_args(v: Variant, M: int, K: int, N: int, device="cuda") -> dict:
         act=v.act,
         out_dtype=qdtype if v.quantized_out else torch.bfloat16,
         x_scale=torch.rand(M, device=device) if v.dynamic and v.kind.endswith("xq") else None,
-    )
+        fast_act=v.fast_act,
+    ))
 
 
 def _compile_one(job):
@@ -68,8 +75,7 @@ def _compile_one(job):
 
     variant, cfg = job
     try:
-        qgemm.qlinear(**make_args(variant, 16, 1024, 256), config=GemmConfig(**cfg),
-                      fast_act=variant.fast_act)
+        qgemm.qlinear(**make_args(variant, 16, 1024, 256), config=GemmConfig(**cfg))
         torch.cuda.synchronize()
         return None
     except Exception as exc:  # noqa: BLE001 — reported, the timing loop skips it too

@@ -32,7 +32,9 @@ if "--tiny" in sys.argv:  # before triton is imported: the kernels run in the in
 
 import torch
 
+from bench import harness as H
 from qfuse.kernels.conv import implicit as conv
+from qfuse.kernels.conv.call import ConvCall, output_size
 from qfuse.ops import reference
 from qfuse.testing import (
     FP8,
@@ -66,18 +68,19 @@ TINY = {
 PROMOTES = (0, 128, 32)
 
 
-def _cpu(args: dict) -> dict:
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+def case(device: str, **spec) -> dict:
+    """``make_case``'s conv as ``qconv2d`` takes it: ``x``, ``call``, ``residual``."""
+    return H.call_args(ConvCall, make_case(device, **spec))
 
 
 def _block_k(args: dict) -> int:
     """The schedule's block_k for this conv (as ``qconv2d`` picks it)."""
-    x, w = args["x"], args["weight"]
+    x, call = args["x"], args["call"]
     n, _, h, wd = x.shape
-    o, cg_in, kh, kw = w.shape
-    oh, ow = conv.output_size(h, wd, (kh, kw), args["stride"], args["padding"], args["dilation"])
+    o, cg_in, kh, kw = call.weight.shape
+    oh, ow = output_size(h, wd, (kh, kw), call.stride, call.padding, call.dilation)
     k_total = kh * kw * cg_in
-    if args["groups"] == 1 and kh * kw > 1 and cg_in < 16:  # the stem's patch buffer
+    if call.groups == 1 and kh * kw > 1 and cg_in < 16:  # the stem's patch buffer
         cg_in = k_total = -(-k_total // 16) * 16
     return conv.pick_config(n * oh * ow, cg_in, o, k_total, True).block_k
 
@@ -92,17 +95,18 @@ def _bench(fn) -> float | None:
 
 def measure(name: str, spec: dict, device: str, time_it: bool) -> list[dict]:
     rows = []
-    q_args = make_case(device, qdtype=FP8, out_dtype=FP8, act="relu", **spec)
-    f_args = make_case(device, qdtype=FP8, out_dtype=torch.float32, act="none", **spec)
-    cpu_q, cpu_f = _cpu(q_args), _cpu(f_args)
+    q_args = case(device, qdtype=FP8, out_dtype=FP8, act="relu", **spec)
+    f_args = case(device, qdtype=FP8, out_dtype=torch.float32, act="none", **spec)
+    cpu_q, cpu_f = H.to_device(q_args, "cpu"), H.to_device(f_args, "cpu")
     ref_q = reference.qconv2d(**cpu_q).double()
     ref_f = reference.qconv2d(**cpu_f).double()
-    xq = reference._quantize_input(cpu_q["x"], cpu_q["x_inv_scale"], None, FP8)
-    w = cpu_q["weight"]
-    mag = conv_magnitude(xq, w, cpu_q["stride"], cpu_q["padding"], cpu_q["dilation"],
-                         cpu_q["groups"]) * cpu_q["scale"].double().abs().reshape(1, -1, 1, 1)
+    call = cpu_q["call"]
+    xq = reference._quantize_input(cpu_q["x"], call.x_inv_scale, None, FP8)
+    w = call.weight
+    mag = conv_magnitude(xq, w, call.stride, call.padding, call.dilation,
+                         call.groups) * call.scale.double().abs().reshape(1, -1, 1, 1)
     K = w.shape[1] * w.shape[2] * w.shape[3]
-    inv = cpu_q["out_inv_scale"].item()
+    inv = call.out_inv_scale.item()
     bk = _block_k(cpu_q)
     done = set()
     for promote in PROMOTES:
@@ -136,8 +140,9 @@ def measure(name: str, spec: dict, device: str, time_it: bool) -> list[dict]:
 
 
 def int8_bit_exact(device: str, spec: dict) -> bool:
-    args = make_case(device, qdtype=torch.int8, out_dtype=torch.int8, act="relu", **spec)
-    return bool(torch.equal(conv.qconv2d(**args).cpu(), reference.qconv2d(**_cpu(args))))
+    args = case(device, qdtype=torch.int8, out_dtype=torch.int8, act="relu", **spec)
+    return bool(torch.equal(conv.qconv2d(**args).cpu(),
+                            reference.qconv2d(**H.to_device(args, "cpu"))))
 
 
 def _fmt(v: float | None, spec: str) -> str:

@@ -31,13 +31,13 @@ def case(M, K, N, act, x_quantized, dtype=torch.int8):
     x = (xb * 50).clamp(-127, 127).to(dtype) if x_quantized else xb
     wb = w.to(torch.bfloat16)
     bias = torch.zeros(N, device="cuda", dtype=torch.bfloat16)
-    args = (x, lin.weight, lin.scale, None, None if x_quantized else lin.x_inv_scale, None,
-            None, None, lin.out_inv_scale, None, act, lin.out_dtype)
+    call = lin.describe()  # the layer's call, as its forward builds it
+    op_args = call.op_args(x)
     paths = {
         "F.linear bf16": lambda: F.linear(xb, wb, bias),
         "QLinear eager (cached launch)": lambda: lin(x),
-        "qgemm.qlinear (Triton's launch)": lambda: qgemm.qlinear(*args),
-        "torch.ops.qfuse.qlinear (dispatcher)": lambda: torch.ops.qfuse.qlinear(*args),
+        "qgemm.qlinear (Triton's launch)": lambda: qgemm.qlinear(x, call),
+        "torch.ops.qfuse.qlinear (dispatcher)": lambda: torch.ops.qfuse.qlinear(*op_args),
     }
     ref = lin(x)
     out = {}

@@ -19,8 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from qfuse.kernels.common import ACTIVATION_CODES
-from qfuse.kernels.gemm import mma as mma_gemm
-from qfuse.kernels.gemm import tma as tma_gemm
+from qfuse.kernels.gemm.kernel import _qlinear_kernel
 
 PTXAS = str(__import__("pathlib").Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -30,21 +29,26 @@ ALIGNED_INTS = {"N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"}
 
 def compile_variant(tma: bool, fp8: bool, act: str, out_q: int, zp: bool, bm: int, bn: int,
                     bk: int, warps: int, stages: int, epi: int) -> dict:
-    fn = (tma_gemm._qlinear_tma_kernel if tma else mma_gemm._qlinear_kernel)
-    names = list(inspect.signature(fn.fn).parameters)
+    names = list(inspect.signature(_qlinear_kernel.fn).parameters)
     q = "fp8e4nv" if fp8 else "i8"
     sig = {n: "i32" for n in names}
     for n in ("scale_ptr", "x_scale_ptr", "bias_ptr", "x_inv_scale_ptr", "out_inv_scale_ptr"):
         sig[n] = "*fp32"
-    sig.update(x_ptr=f"*{q}", w_ptr=f"*{q}", x_zp_ptr="*i32", wsum_ptr="*i32", res_ptr="*bf16",
+    # a TMA schedule's x and W are tensor descriptors (``gemm.tma.tma_args``)
+    x_type, w_type = ((f"tensordesc<{q}[{bm}, {bk}]>", f"tensordesc<{q}[{bn}, {bk}]>") if tma
+                      else (f"*{q}", f"*{q}"))
+    sig.update(x_ptr=x_type, w_ptr=w_type, x_zp_ptr="*i32", wsum_ptr="*i32", res_ptr="*bf16",
                out_zp_ptr="*i32", out_ptr=f"*{q}" if out_q else "*bf16",
-               ws_ptr="*fp32" if fp8 else "*i32", lock_ptr="*i32",
-               x_desc=f"tensordesc<{q}[{bm}, {bk}]>", w_desc=f"tensordesc<{q}[{bn}, {bk}]>")
+               ws_ptr="*fp32" if fp8 else "*i32", lock_ptr="*i32")
     cx = dict(FP8=fp8, X_QUANTIZED=True, X_INV_VEC=False, X_ROW_SCALE=False, HAS_X_ZP=zp,
               ZP_CORR=zp, HAS_BIAS=True, ACT=ACTIVATION_CODES[act], HAS_RESIDUAL=act == "none",
               OUT_Q=out_q, HAS_OUT_ZP=zp and out_q == 1, OUT_MANT=0, OUT_EMIN=0, EXACT=False,
               FAST_ACT=act != "none", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=1,
-              EPI_SPLIT=epi, FLATTEN=False)
+              EPI_SPLIT=epi,
+              # the family's flags as ``families`` binds them for a launch on sm_90 (``mma`` or
+              # ``tma``; a TMA launch is a programmatic dependent one there, ``grid.pdl``)
+              PERSISTENT=False, TMA=tma, DECODE=False, WORDS=False, EVEN_K=False,
+              X_WORDS=False, PDL=tma)
     # Unit strides are constexpr 1 and pointers / multiples of 16 carry tt.divisibility = 16,
     # as the JIT specializes a real launch (without them loads are not vectorized and the
     # K loop is not pipelined: the counts would describe another kernel).
@@ -53,7 +57,7 @@ def compile_variant(tma: bool, fp8: bool, act: str, out_q: int, zp: bool, bm: in
     sig = {k: ("constexpr" if k in cx else v) for k, v in sig.items() if k in names}
     aligned = [i for i, n in enumerate(names) if n not in cx and n != "M"
                and (sig[n].startswith("*") or n in ALIGNED_INTS)]
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx,
+    src = triton.compiler.ASTSource(fn=_qlinear_kernel, signature=sig, constexprs=cx,
                                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     k = triton.compile(src, target=TARGET, options={"enable_fp_fusion": False,
                                                     "num_warps": warps, "num_stages": stages})

@@ -39,6 +39,7 @@ from bench import harness as H
 from bench.kernels.stem_ab import agrees
 from qfuse.kernels.conv import implicit as conv
 from qfuse.kernels.conv import tma as conv_tma
+from qfuse.kernels.conv.call import ConvCall
 
 FP8 = torch.float8_e4m3fn
 QDTYPES = (("int8", torch.int8), ("fp8", FP8))
@@ -103,7 +104,7 @@ def make_args(batch, hw, c_in, c_out, role, qdtype, device):
         res = r.round().clamp(-127, 127) if qdtype == torch.int8 else r
         res = res.to(qdtype).contiguous(memory_format=torch.channels_last).to(device)
     cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
-    args = dict(
+    args = H.call_args(ConvCall, dict(
         x=cl(xq.to(qdtype)).to(device), weight=conv.pack_weight(wq.to(qdtype)).to(device),
         scale=(w_scale * (4 / qmax)).to(device), bias=bias.to(device),
         x_inv_scale=torch.tensor(qmax / 4, device=device), x_zero_point=None, residual=res,
@@ -114,7 +115,7 @@ def make_args(batch, hw, c_in, c_out, role, qdtype, device):
         residual_scale=torch.tensor(1 / float(out_inv), device=device) if res is not None
         else None,
         residual_zero_point=None,
-    )
+    ))
     cudnn = dict(x=cl(x.to(device, torch.bfloat16)),
                  w=cl(wf.to(device, torch.bfloat16)), b=bias.to(device, torch.bfloat16))
     return args, cudnn

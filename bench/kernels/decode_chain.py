@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench.harness import environment, graphed, ints
+from bench.harness import environment, graphed, ints, map_tensors, to_device
 from bench.kernels import decode_gemm_ab as ab
+from qfuse.kernels.gemm.call import GemmCall
 
 LAYERS = 22
 TINY_LAYERS = 2
@@ -46,10 +47,12 @@ TINY_LAYERS = 2
 
 @dataclasses.dataclass
 class Layer:
-    qkv: dict
-    o: dict
-    gate_up: dict
-    down: dict
+    """One decoder layer's four GEMM calls, each with its own weights."""
+
+    qkv: GemmCall
+    o: GemmCall
+    gate_up: GemmCall
+    down: GemmCall
 
 
 def _layer_args(case_shapes: dict, M: int, qname: str, device: str) -> dict:
@@ -68,12 +71,9 @@ def build_layers(M: int, qname: str, device: str, tiny: bool) -> list[Layer]:
         }
     base = _layer_args({k: shapes[k] for k in ("qkv", "o_proj", "gate_up", "down")}, M, qname,
                        device)
-    keep = ("weight", "scale", "bias", "x_inv_scale", "x_zero_point", "weight_sum",
-            "out_inv_scale", "out_zero_point", "act", "out_dtype")
     layers = []
     for _ in range(TINY_LAYERS if tiny else LAYERS):
-        own = {name: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                      for k, v in a.items() if k in keep} for name, a in base.items()}
+        own = {name: map_tensors(a["call"], torch.Tensor.clone) for name, a in base.items()}
         layers.append(Layer(own["qkv"], own["o_proj"], own["gate_up"], own["down"]))
     return layers
 
@@ -88,10 +88,10 @@ def qfuse_step(layers: list[Layer], h: torch.Tensor, cfgs: dict | None = None) -
     c = cfgs or {}
     d = h.shape[1]
     for L in layers:
-        qkv = qgemm.qlinear(h, residual=None, config=c.get("qkv"), **L.qkv)
-        o = qgemm.qlinear(qkv[:, :d], residual=h, config=c.get("o_proj"), **L.o)
-        gu = qgemm.qlinear(o, residual=None, config=c.get("gate_up"), **L.gate_up)
-        h = qgemm.qlinear(gu, residual=o, config=c.get("down"), **L.down)
+        qkv = qgemm.qlinear(h, L.qkv, config=c.get("qkv"))
+        o = qgemm.qlinear(qkv[:, :d], L.o, residual=h, config=c.get("o_proj"))
+        gu = qgemm.qlinear(o, L.gate_up, config=c.get("gate_up"))
+        h = qgemm.qlinear(gu, L.down, residual=o, config=c.get("down"))
     return h
 
 
@@ -151,7 +151,7 @@ def table_rows(best: dict, M: int, qname: str) -> dict:
 
 
 def bf16_layers(layers: list[Layer]) -> list[tuple]:
-    return [tuple(a["weight"].float().to(torch.bfloat16) * 0.01
+    return [tuple(a.weight.float().to(torch.bfloat16) * 0.01
                   for a in (L.qkv, L.o, L.gate_up, L.down)) for L in layers]
 
 
@@ -166,7 +166,7 @@ def bf16_step(weights: list[tuple], h: torch.Tensor) -> torch.Tensor:
 
 
 def weight_bytes(layers: list[Layer]) -> int:
-    return sum(a["weight"].numel() * a["weight"].element_size()
+    return sum(a.weight.numel() * a.weight.element_size()
                for L in layers for a in (L.qkv, L.o, L.gate_up, L.down))
 
 
@@ -174,14 +174,12 @@ def cfg_of(layers: list[Layer], h: torch.Tensor, role: str):
     """The schedule ``tuning`` picked for ``role`` (its in-memory choice, after a first call)."""
     from qfuse.kernels.gemm import dispatch as qgemm
 
-    a = {"qkv": layers[0].qkv, "o_proj": layers[0].o, "gate_up": layers[0].gate_up,
-         "down": layers[0].down}[role]
-    K = a["weight"].shape[1]
+    call = {"qkv": layers[0].qkv, "o_proj": layers[0].o, "gate_up": layers[0].gate_up,
+            "down": layers[0].down}[role]
+    K = call.weight.shape[1]
     x = h if role != "down" else torch.zeros(h.shape[0], K, device=h.device,
-                                             dtype=layers[0].gate_up["out_dtype"])
-    xq = x.dtype in (torch.int8, torch.float8_e4m3fn)
-    return qgemm._schedule(x.shape[0], a["weight"].shape[0], K, x, a["weight"].dtype, not xq,
-                           a["act"], x.device, None, None)
+                                             dtype=layers[0].gate_up.out_dtype)
+    return qgemm.schedule(x, call)
 
 
 def picks(layers: list[Layer], h: torch.Tensor) -> dict:
@@ -229,12 +227,10 @@ def run(M: int, tiny: bool, device: str, tune: bool = False) -> list[dict]:
         # the first layer's Q/K/V against the CPU reference
         from qfuse.ops import reference
 
-        cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-               for k, v in layers[0].qkv.items()}
-        ref = reference.qlinear(h0.cpu(), residual=None, **cpu)
+        ref = reference.qlinear(**to_device({"x": h0, "call": layers[0].qkv}, "cpu"))
         from qfuse.kernels.gemm import dispatch as qgemm
 
-        got = qgemm.qlinear(h0, residual=None, **layers[0].qkv).cpu()
+        got = qgemm.qlinear(h0, layers[0].qkv).cpu()
         qkv_err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
         for pdl in (False, True):
             grid.PDL_ENABLED = pdl

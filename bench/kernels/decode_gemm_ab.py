@@ -42,6 +42,9 @@ if "--tiny" in sys.argv:  # before triton is imported: run the kernels in its in
 import torch
 import torch.nn.functional as F
 
+from bench import harness as H
+from qfuse.kernels.gemm.call import GemmCall
+
 FP8 = torch.float8_e4m3fn
 
 # name, K, N (weight rows), activation, x quantized already, quantized output, residual
@@ -83,8 +86,9 @@ class Case:
 
 
 def make_args(case: Case, device: str) -> dict:
-    """``qgemm.qlinear``'s keyword arguments for ``case`` (seeded: every process builds the same
-    tensors). Scales put the outputs in the quantized range."""
+    """``dispatch.qlinear``'s arguments for ``case`` (``harness.call_args``: ``x``, the layer's
+    ``call``, ``residual``; seeded: every process builds the same tensors). Scales put the
+    outputs in the quantized range."""
     _, K, N, act, x_q, out_q, residual = case.shape
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     qdtype = case.qdtype
@@ -113,7 +117,7 @@ def make_args(case: Case, device: str) -> dict:
         out_inv_scale=torch.tensor(40.0 if qdtype == torch.int8 else 100.0) if out_q else None,
         out_zero_point=None, act=act, out_dtype=qdtype if out_q else torch.bfloat16,
     )
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return H.to_device(H.call_args(GemmCall, args), device)
 
 
 def qfuse_configs(case: Case, sms: int) -> list:
@@ -176,8 +180,7 @@ def precompile(jobs, workers: int) -> None:
 def reference_out(args: dict) -> torch.Tensor:
     from qfuse.ops import reference
 
-    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return reference.qlinear(**cpu)
+    return reference.qlinear(**H.to_device(args, "cpu"))
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, args: dict) -> str | None:
@@ -185,12 +188,12 @@ def check(out: torch.Tensor, ref: torch.Tensor, args: dict) -> str | None:
     out = out.cpu()
     if out.shape != ref.shape or out.dtype != ref.dtype:
         return f"shape/dtype {tuple(out.shape)} {out.dtype} vs {tuple(ref.shape)} {ref.dtype}"
-    int8_gemm = args["weight"].dtype == torch.int8
+    int8_gemm = args["call"].weight.dtype == torch.int8
     if out.dtype == torch.int8 and int8_gemm:
         n = (out != ref).sum().item()
         return None if n == 0 else f"{n} int8 outputs differ"
     if out.dtype in (torch.int8, FP8):  # fp8 GEMM: one step at most, rarely
-        inv = args["out_inv_scale"].item()
+        inv = args["call"].out_inv_scale.item()
         o, r = out.double() / inv, ref.double() / inv
         step = (r.abs() * 2.0**-3).clamp_min(2.0**-9 / inv) if out.dtype == FP8 else 1.0 / inv
         diff = (o - r).abs()
@@ -226,7 +229,7 @@ def time_us(fn) -> float:
 
 def baselines(case: Case, args: dict):
     """(name, fn, check) of the non-qfuse GEMMs: cuBLAS bf16 and the quantized torch GEMMs."""
-    x, w = args["x"], args["weight"]
+    x, w = args["x"], args["call"].weight
     xb = x.to(torch.bfloat16) if x.dtype != FP8 else x.float().to(torch.bfloat16)
     wb = w.float().to(torch.bfloat16)
     bf16_ref = F.linear(xb.float().cpu(), wb.float().cpu())
@@ -234,7 +237,7 @@ def baselines(case: Case, args: dict):
     from qfuse.ops import reference
 
     xq = x if not x.is_floating_point() or x.dtype == FP8 else \
-        reference._quantize_input(x.float().cpu(), args["x_inv_scale"].cpu(), None,
+        reference._quantize_input(x.float().cpu(), args["call"].x_inv_scale.cpu(), None,
                                   case.qdtype).to(x.device)
     if case.qdtype == torch.int8:
         wt = w.t()

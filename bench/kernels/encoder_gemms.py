@@ -66,8 +66,7 @@ def ms_us(fn) -> float:
 
 
 def reference_out(args: dict) -> torch.Tensor:
-    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    return reference.qlinear(**a).to(args["x"].device)
+    return reference.qlinear(**H.to_device(args, "cpu")).to(args["x"].device)
 
 
 def one_row(model, M, layer, K, N, scheme, v, cands, spec) -> dict:
@@ -101,13 +100,13 @@ def one_row(model, M, layer, K, N, scheme, v, cands, spec) -> dict:
     timed = []
     for cfg in cands:
         try:
-            out = qgemm.qlinear(**args, config=cfg, fast_act=v.fast_act)
+            out = qgemm.qlinear(**args, config=cfg)
             if ref is not None:
                 err = H.rel_err(out.float(), ref.float().double())
                 if not err <= (0.02 if v.fast_act or qname == "fp8" else 1e-6):
                     timed.append((float("inf"), cfg, f"wrong: rel err {err:.3g}"))
                     continue
-            us = ms_us(lambda c=cfg: qgemm.qlinear(**args, config=c, fast_act=v.fast_act))
+            us = ms_us(lambda c=cfg: qgemm.qlinear(**args, config=c))
             timed.append((us, cfg, None))
         except Exception as exc:  # noqa: BLE001 — a schedule that cannot launch
             timed.append((float("inf"), cfg, H.error_text(exc)))

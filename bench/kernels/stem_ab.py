@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from bench import harness as H
 from qfuse.kernels.conv import implicit as conv
 from qfuse.kernels.conv import stem
+from qfuse.kernels.conv.call import ConvCall
 
 FP8 = torch.float8_e4m3fn
 QDTYPES = (("int8", torch.int8), ("fp8", FP8))
@@ -52,7 +53,7 @@ def make_args(batch: int, hw: int, c_out: int, qdtype, channels_last: bool, devi
     w = (wf / w_scale.reshape(-1, 1, 1, 1)).round().clamp(-127, 127) if qdtype == torch.int8 \
         else (wf / w_scale.reshape(-1, 1, 1, 1))
     x_inv = 127.5 / 4.0 if qdtype == torch.int8 else 448.0 / 4.0  # |x| < 4 for randn
-    args = dict(
+    args = H.call_args(ConvCall, dict(
         x=x, weight=conv.pack_weight(w.to(qdtype)).to(device),
         scale=(w_scale / x_inv).to(device), bias=bias.to(device),
         x_inv_scale=torch.tensor(x_inv, device=device), x_zero_point=None, residual=None,
@@ -60,7 +61,7 @@ def make_args(batch: int, hw: int, c_out: int, qdtype, channels_last: bool, devi
                                    device=device),
         out_zero_point=None, act="relu", out_dtype=qdtype, stride=[2, 2], padding=[3, 3],
         dilation=[1, 1], groups=1,
-    )
+    ))
     cudnn = dict(x=x.contiguous(memory_format=torch.channels_last),  # cuDNN's fast layout
                  w=wf.to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last),
                  b=bias.to(device, torch.bfloat16))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qfuse.kernels.conv import implicit as conv
+from qfuse.kernels.conv.call import ConvCall
 from qfuse.kernels.tuning import device_time_ms
 from qfuse.ops import reference
 
@@ -71,9 +72,10 @@ def main(quick: bool, budget_s: float = 1e9, dtypes=(torch.int8, FP8)) -> None:
         for qd in dtypes:
             wq = conv.pack_weight((w * 2000).clamp(-127, 127).round().to(qd))
             xq = reference._quantize_input(x, torch.tensor(40.0, device=DEVICE), None, qd)
-            args = (xq, wq, torch.full((co,), 1e-4, device=DEVICE), b, None, None, None,
-                    torch.tensor(20.0, device=DEVICE), None, "relu", qd, [s, s], [k // 2] * 2,
-                    [1, 1], g)
+            call = ConvCall(wq, torch.full((co,), 1e-4, device=DEVICE), b,
+                            out_inv_scale=torch.tensor(20.0, device=DEVICE), act="relu",
+                            out_dtype=qd, stride=[s, s], padding=[k // 2] * 2, groups=g)
+            args = (xq, call)
             ref = reference.qconv2d(*args).cpu()
             best, times = None, []
             stem = ci < 16 and g == 1  # the GEMM schedules run on the two ConvConfig stem paths

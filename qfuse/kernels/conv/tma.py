@@ -38,7 +38,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.kernels.common import (
     ACTIVATION_CODES,
     INTERPRETED,
-    check_fp8_promote,
+    ConvConfig,
     dot_acc,
     tile_offsets,
 )
@@ -108,18 +108,11 @@ def _conv1x1_tma_kernel(
 
 
 @dataclass(frozen=True)
-class Conv1x1Config:
-    """A schedule of ``_conv1x1_tma_kernel``. ``split_k``: K ranges per output tile (1: none).
-    ``fp8_promote``: as ``common.ConvConfig.fp8_promote``."""
+class Conv1x1Config(ConvConfig):
+    """A schedule of ``_conv1x1_tma_kernel``: ``ConvConfig``'s tile, warps, stages and
+    ``fp8_promote``, and ``split_k``: K ranges per output tile (1: none)."""
 
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
     split_k: int = 1
-    group_m: int = 8
-    fp8_promote: int = 0
     # 2: the epilogue on the tile's two column halves one after the other (fewer registers
     # live beside the residual's and output's pointer tiles; sm_90 ptxas spills less).
     epi_split: int = 1
@@ -129,7 +122,7 @@ class Conv1x1Config:
             raise UnsupportedError(
                 f"Conv1x1Config: epi_split={self.epi_split}; use 1 or 2 (column halves)."
             )
-        check_fp8_promote(self, max(self.block_k, 32))
+        super().__post_init__()
         if self.split_k < 1 or self.block_k < 16:
             raise UnsupportedError(
                 f"Conv1x1Config: split_k={self.split_k}, block_k={self.block_k}; split_k >= 1 "
@@ -319,7 +312,10 @@ def conv1x1(x: torch.Tensor, call: ConvCall, residual: torch.Tensor | None = Non
     return out
 
 
-_FIELDS = [f.name for f in dataclasses.fields(Conv1x1Config)]
+# The schedule as ``qfuse::tma_conv1x1``'s integer list, in the order the op has always taken it
+# (a traced graph holds the list); not the dataclass's, whose own fields follow ConvConfig's.
+_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "group_m",
+           "fp8_promote", "epi_split")
 
 
 def _tma_op(*args) -> torch.Tensor:
