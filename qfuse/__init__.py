@@ -96,8 +96,8 @@ def register_ops() -> None:
     Example:
         >>> import torch, qfuse
         >>> qfuse.register_ops()
-        >>> torch.ops.qfuse.qlinear.default
-        qfuse.qlinear.default
+        >>> torch.ops.qfuse.qlinear.default.name()
+        'qfuse::qlinear'
     """
     import qfuse.kernels.conv.tma  # noqa: F401 -- qfuse::tma_conv1x1 (a CUDA program's)
     import qfuse.kernels.gemm.opaque  # noqa: F401 -- qfuse::qlinear_launch

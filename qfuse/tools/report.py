@@ -243,7 +243,7 @@ def pareto_front(points: list[tuple[float, float]], higher_is_better: bool = Tru
 
 
 def point_label(row: dict) -> str:
-    """A row's name on the plot: the config, and for ``best`` the configuration the search
+    r"""A row's name on the plot: the config, and for ``best`` the configuration the search
     found (wrapped), as the table shows it.
 
     Example:
