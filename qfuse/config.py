@@ -1,8 +1,10 @@
 """Quantization configs: frozen, validated dataclasses with presets and a versioned dict form.
 
 Granularity is a type, not a string: ``PerTensor()``, ``PerChannel(axis)``, ``PerToken()``.
-Weights are always symmetric (zero point 0), which keeps the fused GEMM free of a weight
-zero-point correction; ``symmetric`` chooses the activation scheme.
+8-bit weights are always symmetric (zero point 0), which keeps the fused GEMM free of a weight
+zero-point correction; ``symmetric`` chooses the activation scheme. 4-bit weights
+(``weight_bits=4``: W4A16 with ``weight_only``, else W4A8) have group scales along K
+(``group_size``) and, with ``weight_symmetric=False``, zero points (``qfuse.int4``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from qfuse.errors import UnsupportedError
+from qfuse.int4 import check_group_size
 from qfuse.observers import OBSERVER_REGISTRY
 
 CONFIG_VERSION = 1
@@ -70,8 +73,13 @@ class QConfig:
     activation_granularity: Granularity = field(default_factory=PerTensor)
     symmetric: bool = True
     observer: str = "minmax"
+    weight_bits: int = 8
+    group_size: int | None = None  # 4-bit only: columns per weight scale; None: per channel
+    weight_symmetric: bool = True  # 4-bit only: False gives each group a zero point
+    weight_only: bool = False  # 4-bit only: float activations (W4A16)
 
     def __post_init__(self) -> None:
+        self._check_weight_bits()
         if not isinstance(self.symmetric, bool):  # "no" would count as True
             raise UnsupportedError(f"QConfig symmetric={self.symmetric!r}: pass True or False.")
         if not isinstance(self.observer, str):
@@ -105,6 +113,27 @@ class QConfig:
                 "dynamic (PerToken) activation quantization is symmetric only: set symmetric=True."
             )
 
+    def _check_weight_bits(self) -> None:
+        if self.weight_bits not in (4, 8) or isinstance(self.weight_bits, bool):
+            raise UnsupportedError(f"QConfig weight_bits={self.weight_bits!r}: use 8 or 4.")
+        if self.weight_bits == 8:
+            extra = [name for name, default in (("group_size", None), ("weight_symmetric", True),
+                                                ("weight_only", False))
+                     if getattr(self, name) != default]
+            if extra:
+                raise UnsupportedError(
+                    f"QConfig {extra} apply to 4-bit weights only: set weight_bits=4 "
+                    "(QConfig.w4a16() / QConfig.w4a8()) or drop them.")
+            return
+        check_group_size(self.group_size, "QConfig group_size")
+        if not isinstance(self.weight_symmetric, bool) or not isinstance(self.weight_only, bool):
+            raise UnsupportedError("QConfig weight_symmetric / weight_only: pass True or False.")
+        if self.dtype != torch.int8:
+            raise UnsupportedError("4-bit weights run with float (weight_only=True) or int8 "
+                                   "activations; set dtype=torch.int8.")
+        if not self.weight_only and not self.symmetric:
+            raise UnsupportedError("W4A8 quantizes activations symmetrically: set symmetric=True.")
+
     @property
     def is_dynamic(self) -> bool:
         return isinstance(self.activation_granularity, PerToken)
@@ -135,6 +164,22 @@ class QConfig:
     def fp8_dynamic(cls) -> QConfig:
         """float8 e4m3 weights (per-channel) and activations with per-token run-time scales."""
         return cls(dtype=torch.float8_e4m3fn, activation_granularity=PerToken())
+
+    @classmethod
+    def w4a16(cls, group_size: int | None = 128, symmetric: bool = True) -> QConfig:
+        """4-bit weights in groups of ``group_size`` along K (None: per channel), symmetric or
+        with zero points; float activations. Needs no calibration (GPTQ / AWQ do)."""
+        return cls(activation_granularity=PerToken(), weight_bits=4, group_size=group_size,
+                   weight_symmetric=symmetric, weight_only=True)
+
+    @classmethod
+    def w4a8(cls, group_size: int | None = 128, symmetric: bool = True,
+             dynamic: bool = True) -> QConfig:
+        """4-bit group weights, int8 activations: per token at run time (``dynamic``) or one
+        static scale from calibration; the int4 codes feed the int8 product group by group."""
+        act = PerToken() if dynamic else PerTensor()
+        return cls(activation_granularity=act, weight_bits=4, group_size=group_size,
+                   weight_symmetric=symmetric)
 
     # Dict form ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -18,10 +18,11 @@ and ModelOpt do), then measured on held-out text the calibration never saw:
 
 "best int8 static" is the int8 static config with the lowest perplexity on the validation
 windows (calibration text the observers never saw), never chosen on held-out text;
-``auto_fallback`` (asked for by name: fp8 for the fewest layers that bring it within the
-budget; its row says what share of the layers left int8) and QAT start from it. ``--peer``
-runs ``bench/models/llm_peer.py`` (llm-compressor W8A8 with SmoothQuant + GPTQ, and
-FP8_DYNAMIC) in its own venv on the same windows and adds their rows.
+``auto_fallback`` and QAT start from it. ``auto_fallback`` moves the layers that lose most when
+quantized alone (``qfuse.sensitivity``: output SQNR on one validation window) to fp8, at most
+``--fallback-fraction`` of the Linears (10%: a merged Q/K/V counts three); its row lists them.
+``--peer`` runs ``bench/models/llm_peer.py`` (llm-compressor W8A8 with SmoothQuant + GPTQ, and
+FP8_DYNAMIC) in its own venv on the same windows, beside qfuse's configs, and adds their rows.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +72,11 @@ def recipes() -> list[Recipe]:
     # after post_attention_layernorm, its factors folded into those RMSNorms' weights.
     # SmoothQuant(search=True): every Linear, per input the alpha and static clip with the least
     # output error on calibration rows (down_proj's sink-token outliers need both).
+    # SmoothQuant(0.8, layers=("*",)): every Linear at llm-compressor's strength, down_proj's
+    # SwiGLU input included (its factors go into the kernel's prologue); on SmolLM2 +3.9%
+    # perplexity where the search gave +4.6% (256-token windows of the same text).
     sq, search, gptq = qfuse.SmoothQuant(0.5), qfuse.SmoothQuant(search=True), qfuse.GPTQ()
+    every = qfuse.SmoothQuant(0.8, layers=("*",))
     static, dynamic = qfuse.QConfig.int8_static(), qfuse.QConfig.int8_dynamic()
     return [
         Recipe("fp8 dynamic", qfuse.QConfig.fp8_dynamic()),
@@ -87,6 +93,8 @@ def recipes() -> list[Recipe]:
                static_int8=True),
         Recipe("int8 static + SmoothQuant search + GPTQ", static,
                {"smoothquant": search, "gptq": gptq}, static_int8=True),
+        Recipe("int8 static + SmoothQuant(0.8) on every Linear + GPTQ", static,
+               {"smoothquant": every, "gptq": gptq}, static_int8=True),
     ]
 
 
@@ -129,7 +137,8 @@ def measure(data, model, ref: dict | None, held, valid, prompts) -> dict:
     return row
 
 
-def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, progress: bool):
+def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, progress: bool,
+                 batch: int = 4):
     """QAT from a calibrated PTQ model: its scales and SmoothQuant factors carry over and stay
     (observers frozen); the weights train by distillation (KL to the float model's next-token
     distribution) on calibration-text windows the held-out set never shares."""
@@ -151,7 +160,7 @@ def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, p
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in tqdm(range(steps), desc="QAT", disable=not progress):
-        x = train[torch.randint(0, train.shape[0], (4,), generator=gen), :-1]
+        x = train[torch.randint(0, train.shape[0], (batch,), generator=gen), :-1]
         with torch.no_grad():
             target = torch.log_softmax(model(input_ids=x).logits.float(), -1)
         logp = torch.log_softmax(data.logits_of(qat(input_ids=x)).float(), -1)
@@ -166,7 +175,8 @@ def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, p
     return qfuse.convert(qat.eval(), output="model", keep_float=lm_head(qat)), losses
 
 
-def peer_rows(python: str, model: str, n_calib: int, n_held: int, n_prompts: int) -> list:
+def peer_rows(python: str, model: str, n_calib: int, n_held: int, n_prompts: int,
+              threads: int = 1) -> list:
     """llm-compressor's W8A8 and FP8_DYNAMIC (``bench/models/llm_peer.py``) in its own
     interpreter; their JSON rows."""
     rows = []
@@ -174,7 +184,7 @@ def peer_rows(python: str, model: str, n_calib: int, n_held: int, n_prompts: int
         out = ROOT / "bench" / "results" / f".peer_{scheme}.partial.json"
         cmd = [python, "-m", "bench.models.llm_peer", "--out", str(out), "--model", model,
                "--scheme", scheme, "--calibration", str(n_calib), "--heldout", str(n_held),
-               "--prompts", str(n_prompts)]
+               "--prompts", str(n_prompts), "--threads", str(threads)]
         subprocess.run(cmd, check=True, cwd=ROOT)
         rows.append(json.loads(out.read_text()))
         out.unlink()
@@ -188,17 +198,22 @@ def run(
     prompts=16,
     qat_steps=200,
     qat_lr=2e-5,
-    fallback_pct=1.0,
+    fallback_fraction=0.1,
+    fallback_pct=None,
     peer=None,
     progress=True,
     bf16=True,
     model_name="smollm2",
     device="cpu",
     dtype=torch.float32,
+    qat_batch=4,
+    peer_threads=1,
+    partial: Path | None = None,
 ) -> dict:
     """Every recipe (or those ``names``) on ``model_name``; the result dict the CLI writes.
     ``device``/``dtype``: where and in what the model runs (on CUDA, bf16 runs the Triton
-    kernels; each quantized row is then measured against the bf16 model)."""
+    kernels; each quantized row is then measured against the bf16 model). ``partial``: a file
+    rewritten with the rows measured so far after each one (an interrupted run keeps them)."""
     data = dataset(model_name)
     chosen = [r for r in recipes() if names is None or r.name in names]
     unknown = set(names or ()) - {r.name for r in recipes()} - {"auto_fallback", "QAT"}
@@ -212,8 +227,20 @@ def run(
     held = data.heldout_windows(heldout)
     valid, calib = data.validation_windows(), data.calibration_windows(calibration)
     prompt_ids = data.prompts(held, prompts) if prompts else None
+    # The peer runs in its own interpreter beside qfuse's configs (one thread each).
+    pool = ThreadPoolExecutor(1) if peer else None
+    peer_job = None
+    if pool is not None:
+        peer_job = pool.submit(peer_rows, peer, model_name, calib.shape[0], held.shape[0],
+                               prompts, peer_threads)
     ref = measure(data, model, None, held, valid, prompt_ids)
     rows = [dict(config=f"float ({str(dtype).replace('torch.', '')})", **ref)]
+
+    def record_row(row: dict) -> None:
+        _print_row(row)
+        if partial is not None:
+            text = json.dumps(dict(model=model_name, rows=[_public(r) for r in rows]), indent=1)
+            Path(partial).write_text(text + "\n")
     if bf16 and dtype == torch.float32:
         half = copy.deepcopy(model).to(torch.bfloat16)
         rows.append(dict(config="bf16 compute",
@@ -232,17 +259,23 @@ def run(
         rows.append(row)
         if recipe.static_int8 and (best is None or row["validation_perplexity"] < best[2]):
             best = (recipe, prepared, row["validation_perplexity"])
-        _print_row(row)
-    if best is not None and names is not None and "auto_fallback" in names:
-        # Asked for by name: the per-layer sensitivity pass converts every layer once.
+        record_row(row)
+    if best is not None and (names is None or "auto_fallback" in names):
         recipe, prepared, _ = best
-        budget = ref["validation_perplexity"] * fallback_pct / 100
+        budget = None if fallback_pct is None else ref["validation_perplexity"] * fallback_pct / 100
         t0 = time.perf_counter()
-        report = qfuse.sensitivity(prepared, data=[{"input_ids": calib[:2, :-1]}],
-                                   quiet=not progress)
+        # Output SQNR with each layer quantized alone, on half a validation window: the ranking
+        # is what counts, and it converts the model once per layer.
+        # The LM head stays float anyway: not a candidate.
+        from qfuse.state import get_state
+
+        layers = [c.name for c in get_state(prepared).chains if c.name not in lm_head(prepared)]
+        report = qfuse.sensitivity(prepared, data=[{"input_ids": valid[:1, : data.SEQ_LEN // 2]}],
+                                   layers=layers, quiet=not progress)
         _, fb = qfuse.auto_fallback(
             prepared, lambda m: data.score(m, valid)[0], max_drop=budget,
-            higher_is_better=False, fallback="fp8", report=report, quiet=not progress,
+            max_fraction=fallback_fraction, higher_is_better=False, fallback="fp8",
+            report=report, quiet=not progress,
         )
         moved = {n: torch.float8_e4m3fn for n in fb.fallback_layers}
         qmodel = qfuse.convert(prepared, output="model", keep_float=lm_head(prepared),
@@ -250,23 +283,27 @@ def run(
                                notes=fb.fallback_layers)
         rows.append(
             dict(
-                config=f"{recipe.name} + auto_fallback (fp8)",
+                config=f"{recipe.name} + auto_fallback (fp8, <= {fallback_fraction:.0%} of "
+                f"Linears)",
                 convert_seconds=time.perf_counter() - t0,
                 fallback_layers=sorted(fb.fallback_layers),
-                fallback_share=len(moved) / max(1, len(report.rows)),
+                fallback_linears=fb.moved,
+                linears=fb.layers,
+                fallback_share=fb.moved / max(1, fb.layers),
+                fallback_met=fb.met,
                 fallback_evaluations=fb.evaluations,
                 layers=_precisions(qmodel),
                 **measure(data, qmodel, ref, held, valid, prompt_ids),
             )
         )
-        _print_row(rows[-1])
+        record_row(rows[-1])
     if best is not None and qat_steps and (names is None or "QAT" in names):
         recipe, prepared, _ = best
         t0 = time.perf_counter()
         name = f"QAT {recipe.name} ({qat_steps} steps)"
         try:
             qmodel, losses = qat_finetune(data, model, recipe, prepared, qat_steps, qat_lr,
-                                          progress)
+                                          progress, qat_batch)
         except Exception as exc:  # noqa: BLE001 - the table keeps the PTQ rows and says why
             rows.append(dict(config=name, error=f"{type(exc).__name__}: {exc}"))
             print(f"{name}: {rows[-1]['error']}", flush=True)
@@ -276,15 +313,17 @@ def run(
                     config=name,
                     convert_seconds=time.perf_counter() - t0,
                     qat_loss=[losses[0], losses[-1]],
+                    qat_batch=qat_batch,
                     **measure(data, qmodel, ref, held, valid, prompt_ids),
                 )
             )
-            _print_row(rows[-1])
-    if peer:
-        for row in peer_rows(peer, model_name, calib.shape[0], held.shape[0], prompts):
+            record_row(rows[-1])
+    if peer_job is not None:
+        for row in peer_job.result():
             row["perplexity_change_pct"] = 100 * (row["perplexity"] / ref["perplexity"] - 1)
             rows.append(row)
-            _print_row(row)
+            record_row(row)
+        pool.shutdown()
     return dict(
         model=model_name,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -368,12 +407,21 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--qat-steps", type=int, default=200)
     parser.add_argument("--qat-lr", type=float, default=2e-5)
+    parser.add_argument("--qat-batch", type=int, default=4, help="windows per QAT step")
+    parser.add_argument(
+        "--fallback-fraction",
+        type=float,
+        default=0.1,
+        help="auto_fallback's layer budget: the share of the Linears it may move to fp8",
+    )
     parser.add_argument(
         "--fallback-pct",
         type=float,
-        default=1.0,
-        help="auto_fallback budget: validation perplexity increase, % of float's",
+        default=None,
+        help="also a metric budget: the fewest of those layers within this validation "
+        "perplexity increase, % of float's",
     )
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-compute row")
     parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
     parser.add_argument("--out", type=Path, default=Path("llm_ptq.json"))
     parser.add_argument("--threads", type=int, default=2)
@@ -396,18 +444,24 @@ def main() -> None:
         args.prompts,
         args.qat_steps,
         args.qat_lr,
+        args.fallback_fraction,
         args.fallback_pct,
         args.peer,
         progress=sys.stderr.isatty(),
+        bf16=not args.no_bf16,
         model_name=args.model,
         device=args.device,
         dtype=getattr(torch, args.dtype),
+        qat_batch=args.qat_batch,
+        peer_threads=args.threads,
+        partial=args.out.with_suffix(".rows.json"),
     )
     result["seconds"] = time.perf_counter() - start
     result["command"] = "python -m qfuse.recipes.ptq_llm " + " ".join(sys.argv[1:])
     tmp = args.out.with_suffix(".partial")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, args.out)
+    args.out.with_suffix(".rows.json").unlink(missing_ok=True)  # the rows so far, now in --out
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 
 

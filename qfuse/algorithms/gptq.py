@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qfuse import int4
 from qfuse.errors import CalibrationError, UnsupportedError
 from qfuse.fusion.patterns import Chain
 from qfuse.primitives import weight_codes
@@ -112,6 +113,58 @@ def _inverse_cholesky(hessian: torch.Tensor, damp: float, layer: str) -> torch.T
     return chol
 
 
+def _start(weight: torch.Tensor, hessian: torch.Tensor, layer: str):
+    """The float32 weight and float64 Hessian GPTQ sweeps, inputs that were always 0 (whose
+    weights never matter) zeroed out of both."""
+    k = weight.shape[1]
+    if hessian.shape != (k, k):
+        raise CalibrationError(
+            f"{layer}: input Hessian {tuple(hessian.shape)} does not match the weight's {k} "
+            "input features."
+        )
+    w = weight.detach().float().clone()
+    h = hessian.detach().to(w.device, torch.float64).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    return w, h
+
+
+def _act_order(h: torch.Tensor) -> torch.Tensor:
+    """Columns by decreasing Hessian diagonal (GPTQ's act order)."""
+    return torch.argsort(torch.diagonal(h), descending=True, stable=True)
+
+
+def _sweep(w: torch.Tensor, h: torch.Tensor, perm, cfg: GPTQ, layer: str, round_column):
+    """GPTQ's column sweep over ``w`` (columns visited in ``perm``'s order when given): each
+    column rounded by ``round_column(j, column, ahead)`` (``ahead()``: the columns from ``j`` on,
+    as the earlier errors left them), its error spread over the columns not yet rounded. Returns
+    the rounded weight in the original column order."""
+    if perm is not None:
+        w, h = w[:, perm], h[perm][:, perm]
+    n, k = w.shape
+    u = _inverse_cholesky(h, cfg.damp, layer).float()
+    q = torch.empty_like(w)
+    for i1 in range(0, k, cfg.block_size):
+        i2 = min(i1 + cfg.block_size, k)
+        block, u_block = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        err = torch.empty(n, i2 - i1, device=w.device)
+        for i in range(i2 - i1):
+            col = block[:, i]
+            def ahead(i=i, block=block, i2=i2):
+                return torch.cat([block[:, i:], w[:, i2:]], dim=1)
+
+            rounded = round_column(i1 + i, col, ahead)
+            q[:, i1 + i] = rounded
+            e = (col - rounded) / u_block[i, i]
+            block[:, i:] -= e[:, None] * u_block[i, i:][None, :]
+            err[:, i] = e
+        w[:, i2:] -= err @ u[i1:i2, i2:]
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
+    return q
+
+
 def gptq_round(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -135,40 +188,14 @@ def gptq_round(
         >>> bool(((q - w) @ x.T).norm() < ((rtn - w) @ x.T).norm())
         True
     """
-    n, k = weight.shape
-    if hessian.shape != (k, k):
-        raise CalibrationError(
-            f"{layer}: input Hessian {tuple(hessian.shape)} does not match the weight's {k} "
-            "input features."
-        )
-    w = weight.detach().float().clone()
-    h = hessian.detach().to(w.device, torch.float64).clone()
-    dead = torch.diagonal(h) == 0  # an input that was always 0: its weights never matter
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = None
-    if cfg.act_order:
-        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-        w, h = w[:, perm], h[perm][:, perm]
-    u = _inverse_cholesky(h, cfg.damp, layer).float()
+    w, h = _start(weight, hessian, layer)
+    perm = _act_order(h) if cfg.act_order else None
     scale = scale.to(w.device, torch.float32)
     inv = torch.reciprocal(scale)
-    q = torch.empty_like(w)
-    for i1 in range(0, k, cfg.block_size):
-        i2 = min(i1 + cfg.block_size, k)
-        block, u_block = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
-        err = torch.empty(n, i2 - i1, device=w.device)
-        for i in range(i2 - i1):
-            col = block[:, i]
-            rounded = weight_codes(col, inv, dtype) * scale
-            q[:, i1 + i] = rounded
-            e = (col - rounded) / u_block[i, i]
-            block[:, i:] -= e[:, None] * u_block[i, i:][None, :]
-            err[:, i] = e
-        w[:, i2:] -= err @ u[i1:i2, i2:]
-    if perm is not None:
-        q = q[:, torch.argsort(perm)]
-    return q
+    def round_column(j: int, col: torch.Tensor, ahead) -> torch.Tensor:
+        return weight_codes(col, inv, dtype) * scale
+
+    return _sweep(w, h, perm, cfg, layer, round_column)
 
 
 def round_layer(
@@ -200,6 +227,71 @@ def round_layer(
     q = gptq_round(flat, h, scale, dtype, cfg, layer=name).reshape(weight.shape)
     remember(recorder, name, weight, scale, dtype, cfg, q)
     return q
+
+
+def gptq_round_groups(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    group_size: int | None,
+    symmetric: bool,
+    cfg: GPTQ,
+    layer: str = "<layer>",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+    """GPTQ onto the 4-bit group grid (``qfuse.int4``): the rounded float32 weight [N, K]
+    (every entry ``(code - zero) * scale`` of its group) and the group ``(scale, zero)``.
+
+    Without ``act_order`` a group's qparams are taken when the sweep reaches its first column,
+    from the group's weights as the earlier columns' errors left them (GPTQ's own order). With
+    ``act_order`` the columns are visited out of group order, so the qparams come from the float
+    weight before the sweep ("static groups"): the stored layout keeps contiguous groups and
+    needs no column permutation at run time.
+
+    Example:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(512, 64) @ torch.randn(64, 64)  # correlated inputs
+        >>> w = torch.randn(8, 64)
+        >>> q, (scale, zero) = gptq_round_groups(w, x.T @ x / 512, 16, True, GPTQ())
+        >>> rtn = int4.fake_quantize_groups(w, 16, True)
+        >>> bool(((q - w) @ x.T).norm() < ((rtn - w) @ x.T).norm()), tuple(scale.shape)
+        (True, (8, 4))
+    """
+    w, h = _start(weight, hessian, layer)
+    n, k = w.shape
+    size = group_size or k
+    groups = int4.groups_of(k, group_size)
+    scale = torch.empty(n, groups, device=w.device)
+    zero = None if symmetric else torch.zeros(n, groups, dtype=torch.int8, device=w.device)
+    perm = None
+    if cfg.act_order:
+        scale, zero = int4.group_qparams(w, group_size, symmetric)
+        perm = _act_order(h)
+
+    def round_column(j: int, col: torch.Tensor, ahead) -> torch.Tensor:
+        col_at = j if perm is None else int(perm[j])
+        g = col_at // size
+        if perm is None and col_at % size == 0:  # the group's qparams, from what the sweep left
+            s_g, z_g = int4.group_qparams(ahead()[:, :size], None, symmetric)
+            scale[:, g] = s_g[:, 0]
+            if zero is not None:
+                zero[:, g] = z_g[:, 0]
+        z = zero[:, g].float() if zero is not None else 0.0
+        code = torch.clamp(torch.round(col / scale[:, g]) + z, int4.QMIN, int4.QMAX)
+        return (code - z) * scale[:, g]
+
+    return _sweep(w, h, perm, cfg, layer, round_column), (scale, zero)
+
+
+def round_layer4(recorder, name: str, weight: torch.Tensor, group_size: int | None,
+                 symmetric: bool, cfg: GPTQ, input_scale: torch.Tensor | None = None):
+    """``gptq_round_groups`` for chain ``name`` with ``recorder``'s Hessian (``round_layer``'s
+    SmoothQuant handling); not cached: each convert rounds again."""
+    recorder.check_calibrated()
+    h = recorder.hessian
+    if input_scale is not None:
+        inv = torch.reciprocal(input_scale.to(h.device, torch.float32))
+        h = h * inv[:, None] * inv[None, :]
+    return gptq_round_groups(weight, h, group_size, symmetric, cfg, layer=name)
 
 
 def remember(recorder, name, weight, scale, dtype, cfg: GPTQ, q: torch.Tensor) -> None:

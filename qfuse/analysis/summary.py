@@ -109,7 +109,8 @@ def summary(model: fx.GraphModule) -> Summary:
                     kernel=_kernel(mod),
                     input=rec.input,
                     output=rec.output,
-                    x_scale=float(mod.x_scale) if mod.x_scale is not None else "dynamic",
+                    x_scale=float(mod.x_scale) if mod.x_scale is not None else (
+                        "float" if getattr(mod, "act_bits", 8) == 16 else "dynamic"),
                     w_scale=f"{float(mod.weight_scale.min()):.3g}..{float(mod.weight_scale.max()):.3g}",
                     out_scale=out_scale,
                     note=rec.note,

@@ -56,6 +56,8 @@ def export_compressed_tensors(
     Load the folder with ``transformers.AutoModelFor...from_pretrained(path)`` (needs
     ``compressed-tensors``), ``vllm serve path``, or back into qfuse with
     ``qfuse.load_compressed_tensors``. See the README section "Serving: vLLM / transformers".
+    A 4-bit model (``QConfig.w4a16()``, ``output="model"``) is written as ``pack-quantized``
+    (``export_compressed_tensors_w4``).
 
     Example:
         >>> import json, os, tempfile, torch, transformers, qfuse
@@ -82,6 +84,11 @@ def export_compressed_tensors(
             f"export_compressed_tensors expects a model returned by qfuse.convert or qfuse.load; "
             f"got {got}. Run qfuse.convert on the calibrated prepared model first."
         )
+    if state.config.weight_bits == 4:  # compressed-tensors' pack_quantized form
+        from qfuse.export.ct_int4 import export_compressed_tensors_w4
+
+        export_compressed_tensors_w4(qmodel, path, tokenizer=tokenizer)
+        return
     graph = isinstance(qmodel, fx.GraphModule)
     template = _template(qmodel, state, float_model, graph)
     slots = (graph_slots if graph else model_slots)(qmodel, state, template)

@@ -61,12 +61,22 @@ def load_compressed_tensors(
 
     Runs the W8A8 schemes of ``ct_scheme``: int8 / fp8 weights per channel (or per tensor),
     activations static per-tensor (int8 also asymmetric) or dynamic per-token, one activation
-    kind for the whole model. Anything else (W4A16, group-wise, block fp8, KV-cache
+    kind for the whole model; a ``pack-quantized`` W4A16 folder loads with ``output="model"``
+    (``load_compressed_tensors_w4``). Anything else (other group-wise, block fp8, KV-cache
     quantization, sparse or packed weights) raises ``UnsupportedError`` naming the scheme.
     ``qfuse.export_compressed_tensors`` has an example of the round trip.
     """
     path = os.fspath(path)
     config, qc = _read_config(path)
+    if qc.get("format") == "pack-quantized":  # 4-bit weights in groups (W4A16)
+        if output != "model" or float_model is not None:
+            raise UnsupportedError(
+                f"{path} holds 4-bit packed weights: they load as the transformers model with "
+                "4-bit layers; pass output='model' and no float_model."
+            )
+        from qfuse.export.ct_int4 import load_compressed_tensors_w4
+
+        return load_compressed_tensors_w4(path)
     groups = read_groups(qc, path)
     tensors = _read_tensors(path)
     model = float_model if float_model is not None else _float_model(path, config)

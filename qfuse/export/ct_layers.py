@@ -123,6 +123,12 @@ def _gated_slots(name: str, mlp: QGatedMLP, state, template: nn.Module) -> Itera
 
 def model_slots(model: nn.Module, state, template: nn.Module) -> list[Slot]:
     """The slots of a model returned by ``qfuse.convert(..., output="model")``."""
+    return [_check(s, template) for s in quantized_slots(model, state, template)]
+
+
+def quantized_slots(model: nn.Module, state, template: nn.Module) -> list[Slot]:
+    """Every quantized layer of an ``output="model"`` model, merged ones split back into the
+    float model's layers, unchecked."""
     slots, inside = [], ()
     for name, module in model.named_modules():
         if inside and name.startswith(inside):
@@ -136,7 +142,7 @@ def model_slots(model: nn.Module, state, template: nn.Module) -> list[Slot]:
         else:
             continue
         inside = (*inside, f"{name}.")  # its children are the merged layers just listed
-    return [_check(s, template) for s in slots]
+    return slots
 
 
 # The tensors of one Linear -------------------------------------------------------------------

@@ -317,7 +317,10 @@ def _build_modules(gm, meta, by_path, tensors, target, path):
             raise FormatError(f"{path}: layer {name} has no weight; the metadata is corrupted.")
         float_weight = get_tensor(gm, chain.weight)
         saved = tuple(buffers["weight"].shape)
-        if saved != tuple(float_weight.shape):
+        expected = tuple(float_weight.shape)
+        if hasattr(cls, "stored_weight_shape"):  # packed weights (QLinear4)
+            expected = cls.stored_weight_shape(expected)
+        if saved != expected:
             raise FormatError(
                 f"tensor {name}.weight has shape {saved} in {path} but the float model's "
                 f"{chain.weight} has shape {tuple(float_weight.shape)}: the layer sizes differ. "

@@ -11,6 +11,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.flows.plan import LayerPlan
 from qfuse.fusion.patterns import Chain
 from qfuse.nn import QConv2d, QLinear
+from qfuse.nn.qlinear4 import QLinear4
 from qfuse.state import LayerRecord
 
 
@@ -18,6 +19,8 @@ def build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, o
           residual_qparams=None):
     """The ``QLinear`` / ``QConv2d`` for ``chain``: its weights, scales and epilogue from
     ``plan``; ``out_qparams`` set when it requantizes for the next layer."""
+    if config.weight_bits == 4:
+        return build4(chain, config, plan)
     scale, zp = plan.x_qparams[chain.name]
     out_scale, out_zp = out_qparams if out_qparams else (None, None)
     res_scale, res_zp = residual_qparams if residual_qparams else (None, None)
@@ -66,12 +69,48 @@ def build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, o
     return module
 
 
+def build4(chain: Chain, config, plan: LayerPlan) -> QLinear4:
+    """The 4-bit ``QLinear4`` for ``chain`` (float in, float out: no int8 hand-off)."""
+    if chain.kind != "linear":
+        raise UnsupportedError(
+            f"layer {chain.name}: 4-bit weights cover Linear layers; keep this {chain.kind} "
+            f"float (convert(keep_float={{{chain.name!r}: ...}})) or quantize it to int8.")
+    if chain.name in plan.prologue:
+        raise UnsupportedError(
+            f"layer {chain.name}: SmoothQuant left its factors as a prologue vector, which 4-bit "
+            "layers do not apply; smooth only layers fed by an RMSNorm or a producer Linear "
+            "(SmoothQuant(layers=...)).")
+    x_scale = None
+    if not config.weight_only and not config.is_dynamic:
+        x_scale = plan.x_qparams[chain.name][0]
+    return QLinear4.from_float(
+        plan.weights[chain.name], plan.biases[chain.name], group_size=config.group_size,
+        symmetric=config.weight_symmetric, act_bits=16 if config.weight_only else 8,
+        x_scale=x_scale, activation=chain.activation,
+        qparams=plan.weight_scales.get(chain.name), name=chain.name)
+
+
+def precision4(module: QLinear4) -> str:
+    """How summary names a 4-bit layer: ``w4a16 g128``, ``w4a8 g64 asym``, ``w4a16 per-channel``."""
+    group = f"g{module.group_size}" if module.group_size else "per-channel"
+    zp = " asym" if module.weight_zero_point is not None else ""
+    return f"w4a{module.act_bits} {group}{zp}"
+
+
 QUANT_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
 
 
 def record(chain: Chain, module, path: str, producer, readers, notes,
            res_readers=()) -> LayerRecord:
     """What summary and save report for a fused layer, read off the module actually built."""
+    if isinstance(module, QLinear4):
+        source = "float"
+        if module.act_bits == 8:
+            source = ("float → int8 per token (dynamic)" if module.dynamic
+                      else "float → int8 in prologue")
+        return LayerRecord(name=path, pattern=chain.pattern, kind=chain.kind,
+                           precision=precision4(module), input=source, output="float",
+                           note="; ".join(notes))
     qname = QUANT_NAMES[module.weight.dtype]
     if module.input_quantized:
         source = f"{qname} from {producer}"

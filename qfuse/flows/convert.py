@@ -168,8 +168,10 @@ def convert(
         readers_of.setdefault(chain.input, []).append(chain)
         if chain.residual is not None:
             residual_of.setdefault(chain.residual, []).append(chain)
+    four_bit = state.config.weight_bits == 4  # 4-bit layers take and give float
     handoff = {
-        c.name: _handoff_readers(c, readers_of, residual_of, nodes, observers, plan)
+        c.name: ([], []) if four_bit else
+        _handoff_readers(c, readers_of, residual_of, nodes, observers, plan)
         for c in chains
     }
     producers = {r.name: c.name for c in chains for r in handoff[c.name][0]}

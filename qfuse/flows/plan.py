@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qfuse.algorithms.gptq import round_layer
+from qfuse.algorithms.gptq import round_layer, round_layer4
 from qfuse.algorithms.smoothquant import factors, foldable_norm, search, smoothed_qparams
 from qfuse.config import PerChannel
 from qfuse.errors import CalibrationError, QFuseError
@@ -239,11 +239,18 @@ class GPTQTransform:
     """GPTQ rounding of the layers with a recorded input Hessian, after SmoothQuant (it rounds
     the weights that ship), against the plain per-channel (or per-tensor) scale."""
 
-    def __init__(self, gptq, hessians: dict, per_channel: bool) -> None:
+    def __init__(self, gptq, hessians: dict, per_channel: bool, config=None) -> None:
         self.gptq, self.hessians, self.per_channel = gptq, hessians, per_channel
+        self.config = config
 
     def apply(self, plan: LayerPlan) -> None:
+        four_bit = self.config is not None and self.config.weight_bits == 4
         for c in progress([c for c in plan.chains if c.name in self.hessians], "GPTQ rounding"):
+            if four_bit:  # group qparams chosen as the sweep reaches each group
+                plan.weights[c.name], plan.weight_scales[c.name] = round_layer4(
+                    self.hessians[c.name], c.name, plan.weights[c.name], self.config.group_size,
+                    self.config.weight_symmetric, self.gptq, plan.smoothing.get(c.name))
+                continue
             dtype = plan.dtypes[c.name]
             scale = weight_scale(plan.weights[c.name], dtype, self.per_channel)
             plan.weights[c.name] = round_layer(
@@ -267,5 +274,5 @@ def transforms(state, hessians: dict) -> list:
                                         state.config))
     if hessians:
         per_channel = isinstance(state.config.weight_granularity, PerChannel)
-        out.append(GPTQTransform(state.gptq, hessians, per_channel))
+        out.append(GPTQTransform(state.gptq, hessians, per_channel, state.config))
     return out + list(state.plan_transforms)

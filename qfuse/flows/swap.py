@@ -32,6 +32,7 @@ from qfuse.fusion.patterns import ACTIVATION_NAMES, GATED, Chain, Skipped
 from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.gated_mlp import QGatedMLP
 from qfuse.nn.qconv1d import QConv1d
+from qfuse.nn.qlinear4 import QLinear4
 from qfuse.nn.siblings import QSibling
 from qfuse.state import QFuseState, set_state
 
@@ -78,8 +79,15 @@ class SwappedQConv2d(_FloatFacing, QConv2d):
     """``QConv2d`` swapped into a user's model (``weight`` faces the parent as float)."""
 
 
+class SwappedQLinear4(_FloatFacing, QLinear4):
+    """``QLinear4`` swapped into a user's model (``weight`` faces the parent as float)."""
+
+
 def float_facing(module: nn.Module) -> nn.Module:
-    """Make a ``QLinear`` / ``QConv2d`` face its parent as float (in place)."""
+    """Make a ``QLinear`` / ``QLinear4`` / ``QConv2d`` face its parent as float (in place)."""
+    if isinstance(module, QLinear4):
+        module.__class__ = SwappedQLinear4
+        return module
     module.__class__ = SwappedQLinear if isinstance(module, QLinear) else SwappedQConv2d
     return module
 
