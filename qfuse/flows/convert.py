@@ -113,7 +113,7 @@ def convert(
         # A QAT model converts through the PTQ path: qfuse.flows.qat.lower hands back a prepared
         # model with QAT's learned scales.
 
-        prepared, notes = lower(prepared, notes)
+        prepared, notes = lower(prepared, notes, keep_float)
         inplace = True
     state = _state(prepared)
     keep_float = dict(keep_float or {})

@@ -211,6 +211,23 @@ def test_starting_from_ptq_keeps_its_scales_and_smoothquant_factors():
     assert_agrees(qat, qfuse.convert(qat), x)
 
 
+@pytest.mark.parametrize("output", ["graph", "model"])
+def test_a_smoothed_layer_kept_float_gets_its_float_weight_back(output):
+    """QAT trains ``W * s`` for a layer with SmoothQuant's prologue; kept float, nothing divides
+    its input by ``s``, so the weight must be ``W`` again (it was off by the factors)."""
+    torch.manual_seed(0)
+    model, x = LNBlock().eval(), torch.randn(64, 64)
+    config = qfuse.QConfig.int8_static_asymmetric()
+    prepared = qfuse.prepare(model, config, (x,), smoothquant=qfuse.SmoothQuant(0.5))
+    with torch.no_grad():
+        prepared(x)
+    ptq = qfuse.convert(prepared, keep_float={"fc": "test"}, output=output)
+    qat = qfuse.prepare_qat(model.train(), config, (x,), from_prepared=prepared).eval()
+    from_qat = qfuse.convert(qat, keep_float={"fc": "test"}, output=output)
+    with torch.no_grad():
+        torch.testing.assert_close(from_qat(x), ptq(x), rtol=0, atol=1e-5)
+
+
 def test_converted_qat_model_saves_and_loads(tmp_path):
     model, x = make("conv")
     qat = train(qfuse.prepare_qat(model, qfuse.QConfig.int8_static(), (x,)), x)

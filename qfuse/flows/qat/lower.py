@@ -83,9 +83,12 @@ def _check_replay(eval_records: dict, train_records: dict) -> None:
         )
 
 
-def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
+def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None,
+          keep_float: Mapping[str, str] | None = None):
     """A prepared (PTQ-stage) model carrying ``qat_model``'s trained tensors and scales, and the
-    summary notes for convert."""
+    summary notes for convert. A layer in ``keep_float`` whose weight QAT trained with
+    SmoothQuant's factors baked in (``W * s``) gets its float weight back (``/ s``): convert
+    leaves it float, and nothing divides its input by ``s`` there."""
     state = get_state(qat_model)
     record = state.qat
     if qat_model.training:
@@ -136,6 +139,11 @@ def lower(qat_model: fx.GraphModule, notes: Mapping[str, str] | None):
     x_qparams, smoothing, weight_scales = {}, {}, {}
     for name in record.prologue:
         fq = qat_model.get_submodule(record.act_fq[name])
+        if keep_float and name in keep_float:
+            chain = next(c for c in pstate.chains if c.name == name)
+            with torch.no_grad():
+                attr_tensor(prepared, chain.weight).div_(fq.smoothing.to(dev))
+            continue
         x_qparams[name], smoothing[name] = here(fq.calculate_qparams()), fq.smoothing.to(dev)
     for name, path in record.weight_fq.items():
         wfq = qat_model.get_submodule(path)
