@@ -9,33 +9,11 @@ from torch import nn
 import qfuse
 from qfuse.analysis.fallback import layer_budget, layer_sizes
 from qfuse.analysis.sensitivity import output_sqnr_db
-
-
-def planted_model(outliers=(4,)) -> nn.Sequential:
-    """Five Linear layers (names 0, 2, 4, 6, 8); each layer in ``outliers`` reads one channel of
-    magnitude ~500 that its weight ignores, so a per-tensor int8 input scale wipes out all its
-    other inputs."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(16, 32),
-        nn.ReLU(),
-        nn.Linear(32, 32),
-        nn.ReLU(),
-        nn.Linear(32, 32),
-        nn.ReLU(),
-        nn.Linear(32, 32),
-        nn.ReLU(),
-        nn.Linear(32, 8),
-    ).eval()
-    with torch.no_grad():
-        for i in outliers:
-            model[i - 2].bias[5] = 500.0
-            model[i].weight[:, 5] = 0.0
-    return model
+from tests.test_sensitivity import planted_model
 
 
 def setup(outliers=(4,)):
-    model = planted_model(outliers)
+    model = planted_model(5, outliers)  # five Linears: 0, 2, 4, 6, 8
     x = torch.randn(64, 16)
     prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,))
     with torch.no_grad():

@@ -9,22 +9,20 @@ from qfuse.analysis.sensitivity import output_sqnr_db
 from tests.optional import needs
 
 
-def planted_model() -> nn.Sequential:
-    """Four Linear layers; the third (index 4) reads one channel of magnitude ~500 that its weight
-    ignores, so a per-tensor int8 input scale wipes out all its other inputs."""
+def planted_model(layers: int = 4, outliers=(4,)) -> nn.Sequential:
+    """``layers`` Linear layers (names 0, 2, 4, ...); each layer in ``outliers`` reads one
+    channel of magnitude ~500 that its weight ignores, so a per-tensor int8 input scale wipes out
+    all its other inputs."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(16, 32),
-        nn.ReLU(),
-        nn.Linear(32, 32),
-        nn.ReLU(),
-        nn.Linear(32, 32),
-        nn.ReLU(),
-        nn.Linear(32, 8),
-    ).eval()
+    widths = [16, *[32] * (layers - 1), 8]
+    parts = []
+    for n_in, n_out in zip(widths, widths[1:], strict=False):
+        parts += [nn.Linear(n_in, n_out), nn.ReLU()]
+    model = nn.Sequential(*parts[:-1]).eval()
     with torch.no_grad():
-        model[2].bias[5] = 500.0
-        model[4].weight[:, 5] = 0.0
+        for i in outliers:
+            model[i - 2].bias[5] = 500.0
+            model[i].weight[:, 5] = 0.0
     return model
 
 

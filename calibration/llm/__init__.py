@@ -14,12 +14,13 @@ peer (``bench/llm_peer.py``, its own venv) measures with exactly the same code.
 
 from __future__ import annotations
 
-import math
 import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from qfuse.calibration import causal_lm
+from qfuse.calibration.causal_lm import logits_of, score  # noqa: F401 -- this data set's API
 
 DIR = Path(os.environ.get("QFUSE_LLM_DIR", Path(__file__).resolve().parent))
 EOS = "<|endoftext|>"
@@ -113,49 +114,9 @@ def training_windows() -> torch.Tensor:
     return windows(_ids("calibration.txt"))[N_CALIBRATION + N_VALIDATION :]
 
 
-def logits_of(out) -> torch.Tensor:
-    """The logits of a causal LM's output: a ``ModelOutput``, a dict or a tuple (captured graphs
-    return the latter two)."""
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, dict):
-        return out["logits"]
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-@torch.no_grad()
-def score(model, wins: torch.Tensor, batch: int = 8) -> tuple[float, torch.Tensor]:
-    """(perplexity, greedy next-token ids ``[n, seq_len]``) of ``model`` over ``wins``.
-
-    Example:
-        >>> ppl, greedy = score(load_model(), heldout_windows(2))
-        >>> 1 < ppl < 880, tuple(greedy.shape)  # 880: the unigram baseline's (manifest.json)
-        (True, (2, 128))
-    """
-    nll, count, greedy = 0.0, 0, []
-    for i in range(0, wins.shape[0], batch):
-        x, y = wins[i : i + batch, :-1], wins[i : i + batch, 1:]
-        logits = logits_of(model(input_ids=x)).float()
-        nll += torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), y.flatten(), reduction="sum"
-        ).item()
-        count += y.numel()
-        greedy.append(logits.argmax(-1))
-    return math.exp(nll / count), torch.cat(greedy)
-
-
-@torch.no_grad()
 def generate(model, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
     """Greedy continuation (``[n, new_tokens]``) of each prompt row with ``model.generate``."""
-    out = model.generate(
-        ids,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        attention_mask=torch.ones_like(ids),
-        pad_token_id=load_tokenizer().eos_token_id,
-    )
-    return out[:, ids.shape[1] :]
+    return causal_lm.generate(model, ids, new_tokens, load_tokenizer().eos_token_id)
 
 
 def sample(model, prompt: str = SAMPLE_PROMPT, new_tokens: int = 40) -> str:

@@ -24,12 +24,13 @@ Only torch and transformers are imported, so the llm-compressor peer
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from qfuse.calibration import causal_lm
+from qfuse.calibration.causal_lm import logits_of, score  # noqa: F401 -- this data set's API
 
 DIR = Path(__file__).resolve().parent
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -143,41 +144,9 @@ def prompts(held: torch.Tensor, n: int) -> torch.Tensor:
     return held[:: max(1, held.shape[0] // n)][:n, :PROMPT_LEN]
 
 
-def logits_of(out) -> torch.Tensor:
-    """The logits of a causal LM's output: a ``ModelOutput``, a dict or a tuple."""
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, dict):
-        return out["logits"]
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-@torch.no_grad()
-def score(model, wins: torch.Tensor, batch: int = 4) -> tuple[float, torch.Tensor]:
-    """(perplexity, greedy next-token ids ``[n, seq_len]``) of ``model`` over ``wins``; the
-    inputs go to the model's device, the NLL is summed in float32."""
-    device = next(model.parameters(), torch.empty(0)).device
-    nll, count, greedy = 0.0, 0, []
-    for i in range(0, wins.shape[0], batch):
-        x, y = wins[i : i + batch, :-1].to(device), wins[i : i + batch, 1:].to(device)
-        logits = logits_of(model(input_ids=x)).float()
-        nll += torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), y.flatten(), reduction="sum"
-        ).item()
-        count += y.numel()
-        greedy.append(logits.argmax(-1).cpu())
-    return math.exp(nll / count), torch.cat(greedy)
-
-
-@torch.no_grad()
 def generate(model, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
     """Greedy continuation (``[n, new_tokens]``) of each prompt row with ``model.generate``."""
-    device = next(model.parameters(), torch.empty(0)).device
-    ids = ids.to(device)
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, attention_mask=torch.ones_like(ids),
-                         pad_token_id=load_tokenizer().eos_token_id)
-    return out[:, ids.shape[1] :].cpu()
+    return causal_lm.generate(model, ids, new_tokens, load_tokenizer().eos_token_id)
 
 
 @torch.no_grad()

@@ -65,17 +65,9 @@ def _insert_hessians(gm: fx.GraphModule, chains: list[Chain], gptq: GPTQ) -> dic
         if geometry[0] == "conv2d":
             keys = ("kernel_size", "stride", "padding", "dilation")
             conv = dict(zip(keys, geometry[1:], strict=True))
-        gm.add_submodule(
-            name,
-            InputHessian(layer_name=f"{', '.join(r.name for r in readers)} (input)", conv=conv),
-        )
-        observed = nodes[readers[0].anchor].args[0]  # the observer node every reader reads
-        with gm.graph.inserting_after(observed):
-            node = gm.graph.call_module(name, (observed,))
-        for reader in readers:
-            anchor = nodes[reader.anchor]
-            anchor.args = (node, *anchor.args[1:])
-            hessians[reader.name] = name
+        hessian = InputHessian(layer_name=_names(readers), conv=conv)
+        _insert_reader(gm, nodes, readers, name, hessian)
+        hessians.update((reader.name, name) for reader in readers)
     return hessians
 
 
@@ -87,16 +79,26 @@ def _insert_samples(gm: fx.GraphModule, chains: list[Chain], inputs: set[str]) -
     for inp in sorted(inputs):
         readers = [c for c in chains if c.input == inp]
         name = f"qfuse_samples_{inp}"
-        gm.add_submodule(
-            name, InputSamples(layer_name=f"{', '.join(r.name for r in readers)} (input)"))
-        observed = nodes[readers[0].anchor].args[0]  # the observer node every reader reads
-        with gm.graph.inserting_after(observed):
-            node = gm.graph.call_module(name, (observed,))
-        for reader in readers:
-            anchor = nodes[reader.anchor]
-            anchor.args = (node, *anchor.args[1:])
+        _insert_reader(gm, nodes, readers, name, InputSamples(layer_name=_names(readers)))
         samples[inp] = name
     return samples
+
+
+def _names(readers: list[Chain]) -> str:
+    return f"{', '.join(r.name for r in readers)} (input)"
+
+
+def _insert_reader(gm: fx.GraphModule, nodes: dict, readers: list[Chain], name: str,
+                   module: nn.Module) -> None:
+    """``module`` (as ``name``) between the observer ``readers`` share and each reader: it sees
+    the float input each of them reads."""
+    gm.add_submodule(name, module)
+    observed = nodes[readers[0].anchor].args[0]  # the observer node every reader reads
+    with gm.graph.inserting_after(observed):
+        node = gm.graph.call_module(name, (observed,))
+    for reader in readers:
+        anchor = nodes[reader.anchor]
+        anchor.args = (node, *anchor.args[1:])
 
 
 def config_for(name: str, config: QConfig, layer_configs: Mapping[str, QConfig] | None) -> QConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import operator
 
 import torch
@@ -11,7 +12,7 @@ import qfuse.ops  # noqa: F401  (registers the qfuse:: custom ops the modules ca
 from qfuse.primitives import inverse
 
 
-class QuantizedModule(nn.Module):
+class QuantizedModule(nn.Module, abc.ABC):
     """Base of QLinear/QConv2d. All quantized state is in registered buffers (so ``.to("cuda")``
     moves it and ``state_dict`` saves it); layout flags are plain attributes set at build time.
 
@@ -22,9 +23,10 @@ class QuantizedModule(nn.Module):
     QPARAM_BUFFERS = tuple(f"{prefix}_{suffix}" for prefix in ("x", "out")
                            for suffix in ("scale", "inv_scale", "zero_point"))
 
+    @abc.abstractmethod
     def describe(self):
-        """This layer's call description, from its buffers and attributes as they are now."""
-        raise NotImplementedError
+        """This layer's call description, from its buffers and attributes as they are now
+        (every quantized module defines it: a subclass without it cannot be built)."""
 
     def _call_fields(self, *buffers: str) -> dict:
         """The description's fields every quantized module fills the same way (its buffers of

@@ -187,15 +187,21 @@ def test_dropout_follows_train_and_eval():
     assert_agrees(qat, qfuse.convert(qat), x)
 
 
-def test_starting_from_ptq_keeps_its_scales_and_smoothquant_factors():
+def smoothed_ptq_and_qat():
+    """An LNBlock calibrated with SmoothQuant(0.5), and QAT started from it: (x, prepared, qat)."""
     torch.manual_seed(0)
     model, x = LNBlock().eval(), torch.randn(64, 64)
     config = qfuse.QConfig.int8_static_asymmetric()
     prepared = qfuse.prepare(model, config, (x,), smoothquant=qfuse.SmoothQuant(0.5))
     with torch.no_grad():
         prepared(x)
-    ptq = qfuse.convert(prepared)
     qat = qfuse.prepare_qat(model.train(), config, (x,), from_prepared=prepared).eval()
+    return x, prepared, qat
+
+
+def test_starting_from_ptq_keeps_its_scales_and_smoothquant_factors():
+    x, prepared, qat = smoothed_ptq_and_qat()
+    ptq = qfuse.convert(prepared)
     from_qat = qfuse.convert(qat)
     for name in ("fc", "fc2"):
         a, b = ptq.get_submodule(name), from_qat.get_submodule(name)
@@ -215,14 +221,8 @@ def test_starting_from_ptq_keeps_its_scales_and_smoothquant_factors():
 def test_a_smoothed_layer_kept_float_gets_its_float_weight_back(output):
     """QAT trains ``W * s`` for a layer with SmoothQuant's prologue; kept float, nothing divides
     its input by ``s``, so the weight must be ``W`` again (it was off by the factors)."""
-    torch.manual_seed(0)
-    model, x = LNBlock().eval(), torch.randn(64, 64)
-    config = qfuse.QConfig.int8_static_asymmetric()
-    prepared = qfuse.prepare(model, config, (x,), smoothquant=qfuse.SmoothQuant(0.5))
-    with torch.no_grad():
-        prepared(x)
+    x, prepared, qat = smoothed_ptq_and_qat()
     ptq = qfuse.convert(prepared, keep_float={"fc": "test"}, output=output)
-    qat = qfuse.prepare_qat(model.train(), config, (x,), from_prepared=prepared).eval()
     from_qat = qfuse.convert(qat, keep_float={"fc": "test"}, output=output)
     with torch.no_grad():
         torch.testing.assert_close(from_qat(x), ptq(x), rtol=0, atol=1e-5)
