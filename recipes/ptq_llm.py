@@ -143,8 +143,12 @@ def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, p
     (observers frozen); the weights train by distillation (KL to the float model's next-token
     distribution) on calibration-text windows the held-out set never shares."""
     train = torch.cat([data.training_windows(), data.calibration_windows()])
-    # a fresh copy: generate() leaves state on the float model that a train-mode capture trips on
-    student = data.load_model().train()
+    # a fresh copy: generate() leaves state on the float model that a train-mode capture trips on.
+    # It trains in float32 wherever the model runs (bf16 weights would round the small updates
+    # away); the converted model then takes the model's dtype (quantized buffers keep theirs).
+    param = next(model.parameters())
+    student = data.load_model().to(param.device).train()
+    train = train.to(param.device)
     qat = qfuse.prepare_qat(
         student,
         recipe.config,
@@ -160,7 +164,7 @@ def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, p
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in tqdm(range(steps), desc="QAT", disable=not progress):
-        x = train[torch.randint(0, train.shape[0], (batch,), generator=gen), :-1]
+        x = train[torch.randint(0, train.shape[0], (batch,), generator=gen).to(train.device), :-1]
         with torch.no_grad():
             target = torch.log_softmax(model(input_ids=x).logits.float(), -1)
         logp = torch.log_softmax(data.logits_of(qat(input_ids=x)).float(), -1)
@@ -172,7 +176,8 @@ def qat_finetune(data, model, recipe: Recipe, prepared, steps: int, lr: float, p
         opt.step()
         sched.step()
         losses.append(loss.item())
-    return qfuse.convert(qat.eval(), output="model", keep_float=lm_head(qat)), losses
+    qmodel = qfuse.convert(qat.eval(), output="model", keep_float=lm_head(qat))
+    return qmodel.to(param.dtype), losses
 
 
 def peer_rows(python: str, model: str, n_calib: int, n_held: int, n_prompts: int,
