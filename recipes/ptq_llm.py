@@ -87,6 +87,8 @@ def recipes() -> list[Recipe]:
         # llm-compressor's W8A8 recipe (SmoothQuant 0.8 + GPTQ, per-token activations)
         Recipe("int8 dynamic + SmoothQuant(0.8) + GPTQ", dynamic,
                {"smoothquant": qfuse.SmoothQuant(0.8), "gptq": gptq}),
+        Recipe("int8 dynamic + SmoothQuant(0.8) on every Linear + GPTQ", dynamic,
+               {"smoothquant": every, "gptq": gptq}),
         Recipe("int8 static", static, static_int8=True),
         Recipe("int8 static + SmoothQuant(0.5)", static, {"smoothquant": sq}, static_int8=True),
         Recipe("int8 static + SmoothQuant search", static, {"smoothquant": search},
@@ -275,7 +277,8 @@ def run(
         from qfuse.state import get_state
 
         layers = [c.name for c in get_state(prepared).chains if c.name not in lm_head(prepared)]
-        report = qfuse.sensitivity(prepared, data=[{"input_ids": valid[:1, : data.SEQ_LEN // 2]}],
+        window = valid[:1, : data.SEQ_LEN // 2].to(device)
+        report = qfuse.sensitivity(prepared, data=[{"input_ids": window}],
                                    layers=layers, quiet=not progress)
         _, fb = qfuse.auto_fallback(
             prepared, lambda m: data.score(m, valid)[0], max_drop=budget,

@@ -88,6 +88,22 @@ def test_half_precision_cast_keeps_scales_float32():
     assert up.scale.dtype == torch.float32 and up.weight.dtype == torch.int8
 
 
+def test_a_cast_model_computes_in_its_new_dtype():
+    """A converted float32 model cast to bf16 hands bf16 from layer to layer (a float output
+    follows the cast, as nn.Linear's does) and back to float32 with ``.float()``."""
+    prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(4, 32),))
+    with torch.no_grad():
+        prepared(torch.randn(8, 32))
+    qmodel = qfuse.convert(prepared, output="model")  # the user's module, its Linears swapped
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        ref = qmodel(x)
+        half = qmodel.to(torch.bfloat16)(x.bfloat16())
+        assert half.dtype == torch.bfloat16
+        assert sqnr_db(ref, half.float()) > 30
+        assert torch.equal(qmodel.float()(x), ref)
+
+
 def test_convert_before_calibration_names_the_layer():
     prepared = qfuse.prepare(MLPBlock().eval(), qfuse.QConfig.int8_static(), (torch.randn(2, 32),))
     with pytest.raises(qfuse.CalibrationError, match=r"up \(input\).*no calibration data"):

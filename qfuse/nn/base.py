@@ -78,6 +78,10 @@ class QuantizedModule(nn.Module, abc.ABC):
             new = self._buffers[name]
             if cast or new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
+        # A float output follows the cast, as an nn.Linear's would (a bf16 model computes in
+        # bf16 from layer to layer); an int8/fp8 hand-off to the next kernel stays as it is.
+        if self.out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            self.out_dtype = fn(torch.zeros((), dtype=self.out_dtype)).dtype
         return self
 
     def __getstate__(self):
