@@ -69,7 +69,10 @@ QFUSE = {
     "qfuse_int8_dyn": "int8_dynamic",
     "qfuse_fp8_dyn": "fp8_dynamic",
     "qfuse_int8_split": "int8_static",  # prepare(merge_siblings=False): no merged gate/up MLP
+    "qfuse_w4a16": "w4a16_g128_asym",  # 4-bit weights (#36), the README's LLM recipe's config
 }
+# QFUSE names that are not a plain QConfig constructor
+QFUSE_CONFIGS = {"w4a16_g128_asym": lambda: qfuse.QConfig.w4a16(128, symmetric=False)}
 TORCHAO = ("torchao_int8wo", "torchao_int8dq", "torchao_fp8")
 IMPLS = ("bf16", *TORCHAO, *QFUSE)
 GATE = {"bf16": 0.05}  # against bf16 eager; every quantized impl: --gate
@@ -140,6 +143,13 @@ PLANS["generate"] = (
     ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_fp8")),
     ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_fp8")),
 )
+# 4-bit weights (#36) against int8 static and bf16: the decode step graphed, and generate().
+PLANS["w4"] = (
+    ("decode", 1, "graph", ("bf16", "qfuse_int8", "qfuse_w4a16")),
+    ("decode", 8, "graph", ("bf16", "qfuse_int8", "qfuse_w4a16")),
+    ("generate", 1, "generate", ("bf16", "qfuse_int8", "qfuse_w4a16")),
+    ("decode", 1, "compile", ("bf16", "qfuse_int8", "qfuse_w4a16")),
+)
 PLANS["all"] = PLANS["graph"] + PLANS["compile"]
 # New tokens of the two timed generate() calls: their difference over the extra tokens is the
 # per-token time, without the prefill and the first call's setup.
@@ -155,7 +165,7 @@ CLASSES = (
     # _qlinear_ covers the MMA kernel and the decode kernel (_qlinear_decode_kernel), which the
     # 2026-11-25 H100 run filed under "other" (earlier/llm_h100_graph_d0d7f13.json: classes
     # corrected afterwards from each row's top kernels; its "note" says so).
-    ("quantized GEMM", ("_qlinear_", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
+    ("quantized GEMM", ("_qlinear_", "_w4_kernel", "int_mm", "scaled_mm", "i8i8", "f8f8", "e4m3",
                         "fp8_gemm", "int8_gemm")),
     ("quantize", ("_quantize_kernel", "quant", "amax", "to_fp8")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
@@ -256,7 +266,8 @@ def torchao_model(model, impl: str):
 
 def qfuse_model(model, impl: str, vocab: int, device: str):
     """prepare -> calibrate on 4 random batches -> convert(output="model")."""
-    config = getattr(qfuse.QConfig, QFUSE[impl])()
+    name = QFUSE[impl]
+    config = QFUSE_CONFIGS[name]() if name in QFUSE_CONFIGS else getattr(qfuse.QConfig, name)()
     g = torch.Generator().manual_seed(10)
     calib = [torch.randint(0, vocab, (2, 64), generator=g).to(device) for _ in range(4)]
     return harness.calibrated(model, config, [{"input_ids": ids} for ids in calib],
@@ -495,7 +506,8 @@ def weight_bytes(model) -> int | None:
     for torchao's tensor subclasses, whose storage this does not see."""
     total = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("QLinear"):
+        if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith(
+                ("QLinear", "QLinear4")):
             w = module._buffers.get("weight")
             w = w if w is not None else module._parameters.get("weight").data
             if type(w) is not torch.Tensor:

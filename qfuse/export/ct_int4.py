@@ -25,6 +25,7 @@ from torch import nn
 from qfuse import int4
 from qfuse.errors import FormatError, UnsupportedError
 from qfuse.export.ct_layers import Slot, quantized_slots
+from qfuse.flows.build import precision4
 from qfuse.flows.swap import float_facing
 from qfuse.nn.qlinear4 import QLinear4
 from qfuse.state import get_state
@@ -177,8 +178,10 @@ def load_compressed_tensors_w4(path: str | os.PathLike) -> nn.Module:
     ``export_compressed_tensors_w4``'s) as its transformers model with ``QLinear4`` layers
     holding the file's codes and scales (the Triton W4A16 kernel on a GPU).
 
-    The model comes back without a qfuse record: ``qfuse.summary`` and ``qfuse.save`` do not
-    take it (save it with ``export_compressed_tensors_w4``'s format instead)."""
+    The model carries a qfuse record of those layers: ``qfuse.summary`` lists them,
+    ``save_pretrained`` writes qfuse's transformers format (``from_pretrained`` loads it back bit
+    for bit) and ``export_compressed_tensors_w4`` writes pack_quantized again. ``qfuse.save``
+    takes graphs only (``output="graph"``), which this loader does not build."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = os.fspath(path)
@@ -203,6 +206,11 @@ def load_compressed_tensors_w4(path: str | os.PathLike) -> nn.Module:
             raise FormatError(f"{path}: {name} has shape {(n, k)} in the file, "
                               f"{(float_linear.out_features, float_linear.in_features)} in the "
                               "architecture config.json describes.")
+        if f"{name}.weight_g_idx" in tensors:
+            raise UnsupportedError(
+                f"{path}: layer {name} has a weight_g_idx (actorder='group': each input column's "
+                "group is looked up), which QLinear4's contiguous groups cannot run. Quantize "
+                "with actorder 'static', 'weight' or None, which store no g_idx.")
         zp = tensors.pop(f"{name}.weight_zero_point", None)
         if symmetric != (zp is None):
             raise FormatError(f"{path}: {name}'s zero points do not match symmetric={symmetric}.")
@@ -231,4 +239,34 @@ def load_compressed_tensors_w4(path: str | os.PathLike) -> nn.Module:
         raise FormatError(f"{path}: the file lacks {left[:5]} of {type(model).__name__}.")
     if tied:
         model.tie_weights()
+    _give_record(model, names, group, symmetric, config, path)
     return model
+
+
+def _give_record(model: nn.Module, names: list[str], group: int | None, symmetric: bool,
+                 config: dict, path: str) -> None:
+    """A qfuse record (``QConfig.w4a16`` of the file's scheme, one row per quantized Linear,
+    the file's ``ignore`` list as float layers), then the hooks a ``convert(output="model")``
+    result gets (``qfuse.integrations``: transformers' quantizer, decode graphs), so that
+    ``save_pretrained`` writes qfuse's format (``from_pretrained`` gives the same layers back)
+    and ``export_compressed_tensors_w4`` writes pack_quantized again. A plain transformers save
+    would put the 4-bit buffers under a float config.json: a folder that loads as an unquantized
+    model with random weights."""
+    from qfuse.config import QConfig
+    from qfuse.flows.hooks import AFTER_SWAP
+    from qfuse.fusion.patterns import Skipped
+    from qfuse.state import LayerRecord, QFuseState, set_state
+
+    source = os.path.basename(os.path.abspath(path))
+    note = f"read from the compressed-tensors checkpoint {source}"
+    quantized = set(names)
+    layers = [LayerRecord(name=n, pattern="Linear", kind="linear", precision=precision4(m),
+                          input="float", output="float", note=note)
+              for n, m in model.named_modules() if n in quantized]
+    ignore = set((config.get("quantization_config") or {}).get("ignore") or [])
+    skipped = [Skipped(name=n, kind="linear", reason=f"in the ignore list of {source}")
+               for n, m in model.named_modules() if isinstance(m, nn.Linear) and n in ignore]
+    set_state(model, QFuseState(config=QConfig.w4a16(group, symmetric), stage="converted",
+                                chains=[], skipped=skipped, layers=layers))
+    for hook in AFTER_SWAP:
+        hook(model)

@@ -1,12 +1,13 @@
 """The modules ``convert(output="model")`` swapped into a user's model, as JSON and back.
 
 ``describe`` walks a converted model and writes, per swapped module path, what was put there
-(``QLinear`` / ``QConv2d`` with their ``layout()`` and buffer shapes, a ``QSibling`` member and the
-member holding the merged GEMM, a whole ``QGatedMLP``, a ``QConv1d``, a folded BatchNorm's
-``Identity``). ``rebuild`` puts the same modules, with empty buffers of the recorded shapes and
-dtypes, into a freshly built float model of the same class (transformers builds it on the meta
-device), so that a state dict saved from the converted model loads into it name for name;
-``finish`` then repacks the loaded buffers and turns the swapped layers back to float-facing.
+(``QLinear`` / ``QLinear4`` / ``QConv2d`` with their ``layout()`` and buffer shapes, a
+``QSibling`` member and the member holding the merged GEMM, a whole ``QGatedMLP``, a
+``QConv1d``, a folded BatchNorm's ``Identity``). ``rebuild`` puts the same modules, with empty
+buffers of the recorded shapes and dtypes, into a freshly built float model of the same class
+(transformers builds it on the meta device), so that a state dict saved from the converted model
+loads into it name for name; ``finish`` then repacks the loaded buffers and turns the swapped
+layers back to float-facing.
 
 Nothing here depends on transformers: ``qfuse.integrations.transformers`` drives it from
 ``save_pretrained`` / ``from_pretrained``.
@@ -23,11 +24,14 @@ from qfuse.nn import QConv2d, QLinear
 from qfuse.nn.base import QuantizedModule
 from qfuse.nn.gated_mlp import QGatedMLP
 from qfuse.nn.qconv1d import QConv1d
+from qfuse.nn.qlinear4 import QLinear4
 from qfuse.nn.siblings import QSibling
 from qfuse.state import get_state
 
 LAYOUT_VERSION = 1
-_QUANTIZED = {"QLinear": QLinear, "QConv2d": QConv2d}
+# A 4-bit layer's layout holds in_features, group_size and act_bits, its buffers the packed
+# codes, group scales, zero points (asymmetric) and a W4A8 layer's static input scale.
+_QUANTIZED = {"QLinear": QLinear, "QLinear4": QLinear4, "QConv2d": QConv2d}
 
 
 def _quantized_entry(module: QuantizedModule, path: str) -> dict:

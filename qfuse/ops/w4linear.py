@@ -1,5 +1,6 @@
 """The 4-bit-weight Linear: W4A16 (float activations) and W4A8 (int8 activations), its CPU
-reference (the integer contract) and the dispatch to the Triton W4A16 kernel.
+reference (the integer contract) and the dispatch to the fused Triton kernel
+(``kernels.gemm.w4``, registered as ``qfuse::w4linear``).
 
 Reference semantics (``qfuse.int4`` defines the codes, scales and zero points):
 
@@ -22,8 +23,8 @@ import torch
 
 from qfuse import int4
 from qfuse.errors import ShapeError, UnsupportedError
-from qfuse.kernels.common import GATED_ACTIVATIONS
-from qfuse.ops.backend import Backend, resolve_backend
+from qfuse.kernels.common import GATED_ACTIVATIONS, out_features
+from qfuse.ops.backend import Backend, eager, resolve_backend
 from qfuse.ops.reference import ACTIVATIONS, int_matmul, quantize_int8, quantize_per_token
 
 
@@ -85,8 +86,9 @@ def gemm_reference(x: torch.Tensor, call: W4Call) -> torch.Tensor:
 
 def w4linear(x: torch.Tensor, call: W4Call, residual: torch.Tensor | None = None
              ) -> torch.Tensor:
-    """``epilogue(x @ W4^T)`` for x [..., K]: the Triton W4A16 kernel on CUDA (or under
-    ``TRITON_INTERPRET=1`` with the triton backend), else the reference.
+    """``epilogue(x @ W4^T)`` for x [..., K]: the fused Triton kernel (``kernels.gemm.w4``:
+    W4A16 and W4A8, the epilogue in the same launch) on CUDA (or under ``TRITON_INTERPRET=1``
+    with the triton backend), else the reference.
 
     Example:
         >>> import torch
@@ -114,13 +116,49 @@ def w4linear(x: torch.Tensor, call: W4Call, residual: torch.Tensor | None = None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     out_dtype = call.out_dtype or x.dtype
-    if call.act_bits == 16 and resolve_backend(x.device) is Backend.TRITON:
-        from qfuse.kernels.gemm.w4a16 import w4a16_gemm
-
-        y = w4a16_gemm(x2, call.weight, call.scale, call.zero, call.in_features,
-                       call.group_size)
+    res = residual.reshape(x2.shape[0], -1) if residual is not None else None
+    if resolve_backend(x.device) is Backend.TRITON:
+        out = _triton(x2, call, res, out_dtype)
     else:
-        y = gemm_reference(x2, call)
-    res = residual.reshape(y.shape[0], -1) if residual is not None else None
-    out = _epilogue(y, call, res, out_dtype)
+        out = _epilogue(gemm_reference(x2, call), call, res, out_dtype)
     return out.reshape(*lead, out.shape[-1])
+
+
+def _triton(x: torch.Tensor, call: W4Call, residual: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """The fused kernel (``kernels.gemm.w4``), epilogue included: its body directly in plain
+    eager calls, the ``qfuse::w4linear`` op where a tracer or compiler must see one node."""
+    from qfuse.kernels.gemm.w4 import w4_gemm
+
+    x_scale = call.x_scale if call.act_bits == 8 else None
+    x_inv = call.x_inv_scale if call.act_bits == 8 else None
+    if eager(x):
+        return w4_gemm(x, call.weight, call.scale, call.zero, call.bias, call.in_features,
+                       call.group_size, call.act, call.act_bits, x_scale, x_inv, residual,
+                       out_dtype)
+    return w4linear_op(x, call.weight, call.scale, call.zero, call.bias, residual, x_scale,
+                       x_inv, call.in_features, call.group_size or 0, call.act, call.act_bits,
+                       out_dtype)
+
+
+def _op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+        bias: torch.Tensor | None, residual: torch.Tensor | None, x_scale: torch.Tensor | None,
+        x_inv_scale: torch.Tensor | None, in_features: int, group_size: int, act: str,
+        act_bits: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``qfuse::w4linear``: the fused kernel on 2-D x (``group_size`` 0: one group per row)."""
+    from qfuse.kernels.gemm.w4 import w4_gemm
+
+    return w4_gemm(x, weight, scale, zero, bias, in_features, group_size or None, act, act_bits,
+                   x_scale, x_inv_scale, residual, out_dtype)
+
+
+# Opaque (``custom_op``, not ``triton_op``): the decode schedule's programmatic dependent launch
+# is a launch option ``wrap_triton`` does not forward (``kernels.gemm.opaque`` says more);
+# Inductor calls it as an extern kernel and CUDA graphs capture its launches.
+w4linear_op = torch.library.custom_op("qfuse::w4linear", _op, mutates_args=())
+
+
+@w4linear_op.register_fake
+def _(x, weight, scale, zero, bias, residual, x_scale, x_inv_scale, in_features, group_size,
+      act, act_bits, out_dtype):
+    return x.new_empty((x.shape[0], out_features(weight.shape[0], act)), dtype=out_dtype)

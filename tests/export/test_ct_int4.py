@@ -1,19 +1,38 @@
 """4-bit compressed-tensors ``pack_quantized`` export and import (``qfuse/export/ct_int4.py``):
 transformers (with compressed-tensors) loads qfuse's export and computes the same logits up to
-float32 sum order; qfuse's import gives back the exported codes and scales exactly."""
+float32 sum order; qfuse's import gives back the exported codes and scales exactly.
+
+``data/llmc_w4a16_g32`` and ``data/llmc_w4a16_asym_g32`` are checkpoints llm-compressor itself
+wrote (``data/make_llmc_w4a16.py``: GPTQ with its W4A16 / W4A16_ASYM preset, group 32, on a tiny
+random Llama), each with llm-compressor's logits for fixed ids (``llmc_reference.pt``,
+transformers + compressed-tensors loading the folder). The tests reading them need neither
+package: they run in CI."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import qfuse
+from qfuse import int4
 from qfuse.errors import UnsupportedError
 from qfuse.export.ct_int4 import export_compressed_tensors_w4, load_compressed_tensors_w4
 from qfuse.nn.qlinear4 import QLinear4
+from qfuse.state import get_state
+
+DATA = Path(__file__).parent / "data"
+LLMC = ["llmc_w4a16_g32", "llmc_w4a16_asym_g32"]
+LLAMA_LINEARS = [f"model.layers.{i}.{n}" for i in range(2) for n in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +120,104 @@ def test_packing_is_compressed_tensors_own(K):
     window equalled transformers' own load, max difference 0.0)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from qfuse import int4
-
     q = torch.randint(-8, 8, (7, K), dtype=torch.int8)
     assert torch.equal(int4.pack(q), pack_to_int32(q, 4))
     zp = torch.randint(-8, 8, (K, 3), dtype=torch.int8)
     assert torch.equal(int4.pack_rows(zp), pack_to_int32(zp, 4, packed_dim=0))
+
+
+# llm-compressor's own checkpoints -------------------------------------------------------------
+def _nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """compressed-tensors' int32 packing undone without qfuse.int4: eight 4-bit values a word
+    along the last dim, lowest nibble first, each stored as value + 8."""
+    u = (packed.unsqueeze(-1) >> (4 * torch.arange(8, dtype=torch.int32))) & 0xF
+    return (u.reshape(*packed.shape[:-1], -1)[..., :n] - 8).to(torch.int8)
+
+
+@pytest.mark.parametrize("name", LLMC)
+def test_llm_compressor_w4a16_checkpoint_loads_onto_qlinear4(name):
+    """qfuse's public loader puts llm-compressor's codes, scales and zero points into QLinear4
+    layers unchanged, and the model computes llm-compressor's logits: tolerance 1e-5 (float32
+    sum order across torch builds; 0.0 where the fixture was made)."""
+    path = DATA / name
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["group_size"], weights["strategy"]) == (4, 32, "group")
+    symmetric = weights["symmetric"]
+    assert symmetric == (name == "llmc_w4a16_g32")
+    file = load_file(path / "model.safetensors")
+    model = qfuse.load_compressed_tensors(path, (), output="model")
+    layers = _layers(model)
+    assert sorted(layers) == sorted(LLAMA_LINEARS)
+    assert type(model.lm_head) is nn.Linear  # in llm-compressor's ignore list
+    assert torch.equal(model.lm_head.weight, file["lm_head.weight"])
+    for lname, layer in layers.items():
+        packed, scale = file[f"{lname}.weight_packed"], file[f"{lname}.weight_scale"]
+        n, k = file[f"{lname}.weight_shape"].tolist()
+        assert (layer.group_size, layer.act_bits, layer.in_features, layer.out_features) == \
+            (32, 16, k, n)
+        assert layer._buffers["weight"].dtype == torch.int32
+        assert torch.equal(layer._buffers["weight"], packed), lname  # the codes, as stored
+        assert layer.weight_scale.dtype == scale.dtype and torch.equal(layer.weight_scale, scale)
+        codes = _nibbles(packed, k)
+        if symmetric:
+            assert layer.weight_zero_point is None and f"{lname}.weight_zero_point" not in file
+            zp = torch.zeros_like(scale, dtype=torch.int8)
+        else:
+            zp = _nibbles(file[f"{lname}.weight_zero_point"].t(), n).t()  # packed along N
+            assert torch.equal(layer.weight_zero_point, zp), lname
+        want = (codes.float() - zp.float().repeat_interleave(32, 1)) * \
+            scale.repeat_interleave(32, 1)
+        b = layer._buffers  # (a swapped layer's .weight faces its parent as float)
+        mine = int4.dequantize_groups(int4.unpack(b["weight"], k), b["weight_scale"],
+                                      b["weight_zero_point"], layer.group_size)
+        torch.testing.assert_close(mine, want, rtol=0, atol=0)
+    if not symmetric:  # the fixture really exercises zero points and the full code range
+        zps = torch.cat([m.weight_zero_point.flatten() for m in layers.values()])
+        assert zps.unique().numel() > 4
+    ref = torch.load(path / "llmc_reference.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(input_ids=ref["input_ids"]).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", LLMC)
+def test_a_loaded_llm_compressor_model_saves_and_exports(name, tmp_path):
+    """The loaded model carries a qfuse record: save_pretrained writes qfuse's format, which
+    from_pretrained reads back bit for bit; export writes llm-compressor's tensors back
+    byte for byte."""
+    path = DATA / name
+    model = qfuse.load_compressed_tensors(path, (), output="model")
+    rows = qfuse.summary(model).rows
+    assert [r["name"] for r in rows] == LLAMA_LINEARS + ["lm_head"]
+    assert rows[0]["precision"] == ("w4a16 g32" if "asym" not in name else "w4a16 g32 asym")
+    model.save_pretrained(tmp_path / "hf")
+    record = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+    assert record["quant_method"] == "qfuse"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert sorted(_layers(back)) == sorted(LLAMA_LINEARS)
+    before, after = model.state_dict(), back.state_dict()
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
+    ref = torch.load(path / "llmc_reference.pt", weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ref["input_ids"]).logits, ref["logits"],
+                                   rtol=1e-5, atol=1e-5)
+    qfuse.export_compressed_tensors(model, tmp_path / "ct")
+    mine, theirs = load_file(tmp_path / "ct" / "model.safetensors"), load_file(
+        path / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert mine[key].dtype == tensor.dtype and torch.equal(mine[key], tensor), key
+    assert get_state(back) is not None
+
+
+def test_a_group_indexed_checkpoint_is_refused_naming_the_layer(tmp_path):
+    """actorder='group' (a weight_g_idx per Linear) needs per-column group lookup."""
+    shutil.copytree(DATA / "llmc_w4a16_g32", tmp_path / "ct")
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight_g_idx"] = torch.arange(64, dtype=torch.int32) // 32
+    save_file(tensors, tmp_path / "ct" / "model.safetensors")
+    with pytest.raises(UnsupportedError, match=r"model\.layers\.1\.mlp\.up_proj.*actorder"):
+        qfuse.load_compressed_tensors(tmp_path / "ct", (), output="model")
