@@ -163,8 +163,13 @@ def timed_row(impl: str, M: int, step, nbytes: int, extra: dict) -> dict:
         replay = graphed(step)
         out = replay()
         torch.cuda.synchronize()
-        row["equals_eager"] = bool(torch.equal(out, eager))
+        # random weights: 22 layers of bf16 residual sums can overflow to inf/NaN, which the
+        # comparison must treat as equal where both runs have them
+        row["equals_eager"] = bool(((out == eager) | (out.isnan() & eager.isnan())).all())
+        row["finite_share"] = out.isfinite().float().mean().item()
         if not row["equals_eager"]:
+            diff = (out.float() - eager.float()).abs()
+            row["max_abs_diff"] = diff[diff.isfinite()].max().item() if diff.isfinite().any() else None
             row["error"] = "graph output differs from the eager chain"
             return row
         us = triton.testing.do_bench(replay, warmup=5, rep=60, return_mode="median") * 1e3
