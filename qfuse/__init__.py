@@ -39,6 +39,7 @@ from qfuse.errors import (
 
 # Public name -> the module that defines it, imported on first access (PEP 562).
 _LAZY = {
+    "AWQ": "qfuse.algorithms.awq",
     "GPTQ": "qfuse.algorithms.gptq",
     "SmoothQuant": "qfuse.algorithms.smoothquant",
     "FallbackResult": "qfuse.analysis.fallback",
@@ -167,6 +168,7 @@ __all__ = [
     "ShapeError",
     "SmoothQuant",
     "GPTQ",
+    "AWQ",
     "Summary",
     "UnsupportedError",
     "WeightsError",

@@ -35,6 +35,8 @@ class QFuseState:
     smoothquant: object | None = None  # qfuse.algorithms.smoothquant.SmoothQuant when enabled
     smoothed: list[str] = field(default_factory=list)  # chain names SmoothQuant applies to
     gptq: object | None = None  # qfuse.algorithms.gptq.GPTQ when enabled
+    awq: object | None = None  # qfuse.algorithms.awq.AWQ when enabled
+    awq_layers: list[str] = field(default_factory=list)  # chain names AWQ applies to
     hessians: dict[str, str] = field(default_factory=dict)  # chain name -> InputHessian module
     samples: dict[str, str] = field(default_factory=dict)  # chain input -> InputSamples module
     # Objects with ``apply(plan)`` that convert runs on its per-layer plan after SmoothQuant and

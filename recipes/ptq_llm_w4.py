@@ -1,5 +1,5 @@
 """4-bit weights on the LLM yardstick (SmolLM2-135M-Instruct, ``calibration/smollm2/``): W4A16 and
-W4A8 with group scales, round-to-nearest or GPTQ, as a user runs them.
+W4A8 with group scales, round-to-nearest, GPTQ or AWQ (and AWQ + GPTQ), as a user runs them.
 
     python -m qfuse.recipes.ptq_llm_w4 --out reports/llm_w4.json
     python -m qfuse.recipes.ptq_llm_w4 --configs "w4a16 g128 gptq" --threads 1
@@ -40,6 +40,19 @@ CONFIGS = {
     "w4a8 g128 gptq": (Q.w4a8(128), {"gptq": qfuse.GPTQ()}),
     "w4a8 g128 asym gptq": (Q.w4a8(128, symmetric=False), {"gptq": qfuse.GPTQ()}),
     "w4a8 g128 rtn": (Q.w4a8(128), {}),
+    # AWQ (#36): per-input scales folded into the RMSNorms (Q/K/V, gate/up) and per-group
+    # weight clips, searched on the calibration rows; then round-to-nearest or GPTQ
+    "w4a16 g128 asym rtn": (Q.w4a16(128, symmetric=False), {}),
+    "w4a16 g128 asym awq": (Q.w4a16(128, symmetric=False), {"awq": qfuse.AWQ()}),
+    "w4a16 g128 asym awq noclip": (Q.w4a16(128, symmetric=False), {"awq": qfuse.AWQ(clip=False)}),
+    "w4a16 g128 asym awq + gptq": (Q.w4a16(128, symmetric=False),
+                                   {"awq": qfuse.AWQ(), "gptq": qfuse.GPTQ()}),
+    "w4a16 g128 asym awq noclip + gptq": (Q.w4a16(128, symmetric=False),
+                                          {"awq": qfuse.AWQ(clip=False), "gptq": qfuse.GPTQ()}),
+    "w4a16 g64 asym awq + gptq": (Q.w4a16(64, symmetric=False),
+                                  {"awq": qfuse.AWQ(), "gptq": qfuse.GPTQ()}),
+    "w4a8 g128 asym awq + gptq": (Q.w4a8(128, symmetric=False),
+                                  {"awq": qfuse.AWQ(), "gptq": qfuse.GPTQ()}),
 }
 
 

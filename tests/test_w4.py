@@ -142,6 +142,12 @@ def test_flow_graph_model_save_load(llama, config, tmp_path):
     assert type(model) is LlamaForCausalLM
     torch.testing.assert_close(model(input_ids=ids).logits, got, rtol=1e-5, atol=1e-5)
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (2, 13)
+    # a swapped layer faces its parent with an empty float ``weight``; its dequantized weight
+    # still comes from the codes
+    q = model.model.layers[0].self_attn.o_proj
+    assert q.weight.numel() == 0
+    torch.testing.assert_close(q.dequantized_weight(), graph.get_submodule(
+        "model.layers.0.self_attn.o_proj").dequantized_weight(), rtol=0, atol=0)
 
 
 def test_convs_are_refused_with_the_fix():

@@ -3,9 +3,10 @@
 ``LayerPlan`` starts from what calibration gives: each chain's float weight and bias and its
 input qparams from its observer. Algorithms are transforms (``apply(plan)``) run in order over
 it: SmoothQuant (factors from the observers, folded into the producer Linear or RMSNorm, or
-kept as a prologue vector), GPTQ (rounds the weights that ship, against the plain per-channel
-scale), and those the state carries (QAT's learned scales: ``qfuse.flows.qat.lower``). convert, the
-module swap and QAT's PTQ carry-over read the same plan.
+kept as a prologue vector), AWQ (searched factors folded the same way, weight clips), GPTQ
+(rounds the weights that ship, against the plain per-channel scale), and those the state
+carries (QAT's learned scales: ``qfuse.flows.qat.lower``). convert, the module swap and QAT's
+PTQ carry-over read the same plan.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qfuse.algorithms.awq import AWQ, AWQSamples, search_clip, search_scale
 from qfuse.algorithms.gptq import round_layer, round_layer4
 from qfuse.algorithms.smoothquant import factors, foldable_norm, search, smoothed_qparams
 from qfuse.config import PerChannel
 from qfuse.errors import CalibrationError, QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
-from qfuse.primitives import choose_qparams, inverse, weight_scale
+from qfuse.ops.reference import quantize_per_token
+from qfuse.primitives import choose_qparams, fake_quantize, inverse, weight_scale
 from qfuse.progress import progress
 
 
@@ -122,6 +125,53 @@ class LayerPlan:
                 parent._buffers[leaf] = w
 
 
+def fold_norms(plan: LayerPlan, chains: list[Chain], selected: set[str]) -> dict:
+    """Chain input -> the RMSNorm weight node a factor ``x / s`` of its readers folds into
+    (``foldable_norm``), for the inputs every reader of which is in ``selected`` and in the plan
+    (``chains``: every chain of the prepared model; none kept float or left unswapped). Empty
+    without ``plan.fold_norms``. SmoothQuant and AWQ fold through this."""
+    if not plan.fold_norms:
+        return {}
+    nodes = {n.name: n for n in plan.gm.graph.nodes}
+    in_plan = {c.name for c in plan.chains}
+    everyone: dict[str, list[Chain]] = {}
+    for c in chains or plan.chains:
+        everyone.setdefault(c.input, []).append(c)
+    norms = {}
+    for inp, readers in everyone.items():
+        if inp in plan.observers and all(r.name in in_plan for r in readers):
+            weight = foldable_norm(nodes, inp, plan.observers[inp], readers, selected)
+            if weight is not None:
+                norms[inp] = weight
+    return norms
+
+
+def apply_factors(plan: LayerPlan, chain: Chain, s: torch.Tensor, norm, producer: Chain | None,
+                  lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Layer ``chain`` sees ``x / s``: its weight columns times ``s``, and ``x / s`` folded into
+    the RMSNorm weight ``norm`` (a get_attr node; every reader of the norm takes the same ``s``),
+    else into the rows of ``producer`` (a Linear only this layer reads), else into the layer's
+    prologue. Factors compose: a second call (AWQ after SmoothQuant) multiplies onto the first.
+    ``lo``, ``hi``: the input's per-channel range (already clipped), for its per-tensor qparams."""
+    name = chain.name
+    prev = plan.smoothing.get(name)
+    total = s if prev is None else prev * s
+    plan.weights[name] = plan.weights[name] * s[None, :]
+    plan.smoothing[name] = total
+    plan.x_qparams[name] = smoothed_qparams(lo, hi, total, plan.symmetric_input(chain))
+    if norm is not None:
+        w = attr_tensor(plan.gm, norm.target).detach()
+        plan.norm_weights[norm.target] = (w.float() / total).to(w.dtype)
+        plan.folded_into[name] = "RMSNorm weight"
+    elif producer is not None:
+        plan.weights[producer.name] = plan.weights[producer.name] / s[:, None]
+        if plan.biases[producer.name] is not None:
+            plan.biases[producer.name] = plan.biases[producer.name] / s
+        plan.folded_into[name] = "producer"
+    else:
+        plan.prologue[name] = (inverse(total) * inverse(plan.x_qparams[name][0])).float()
+
+
 class SmoothQuantTransform:
     """SmoothQuant over the layers ``qfuse.prepare`` selected: each gets factors ``s`` from its
     per-channel input range; ``x / s`` is folded into a producer Linear that only it reads, or
@@ -137,20 +187,7 @@ class SmoothQuantTransform:
 
     def _norms(self, plan: LayerPlan) -> dict:
         """Chain input -> the RMSNorm weight node its ``x / s`` folds into (``fold_norms``)."""
-        if not plan.fold_norms:
-            return {}
-        nodes = {n.name: n for n in plan.gm.graph.nodes}
-        in_plan, smoothed = {c.name for c in plan.chains}, set(self.smoothed)
-        everyone: dict[str, list[Chain]] = {}
-        for c in self.chains or plan.chains:
-            everyone.setdefault(c.input, []).append(c)
-        norms = {}
-        for inp, readers in everyone.items():
-            if inp in plan.observers and all(r.name in in_plan for r in readers):
-                weight = foldable_norm(nodes, inp, plan.observers[inp], readers, smoothed)
-                if weight is not None:
-                    norms[inp] = weight
-        return norms
+        return fold_norms(plan, self.chains, set(self.smoothed))
 
     def apply(self, plan: LayerPlan) -> None:
         by_name = {c.name: c for c in plan.chains}
@@ -197,21 +234,7 @@ class SmoothQuantTransform:
                     joint = torch.cat([plan.weights[r.name] for r in readers[chain.input]])
                     shared[chain.input] = factors(absmax, joint, self.smoothquant.alpha)
                 s = shared[chain.input]
-            plan.weights[name] = plan.weights[name] * s[None, :]
-            plan.smoothing[name] = s
-            plan.x_qparams[name] = smoothed_qparams(lo * clip, hi * clip, s,
-                                                    plan.symmetric_input(chain))
-            if norm is not None:
-                w = attr_tensor(plan.gm, norm.target).detach()
-                plan.norm_weights[norm.target] = (w.float() / s).to(w.dtype)
-                plan.folded_into[name] = "RMSNorm weight"
-            elif folds:
-                plan.weights[producer.name] = plan.weights[producer.name] / s[:, None]
-                if plan.biases[producer.name] is not None:
-                    plan.biases[producer.name] = plan.biases[producer.name] / s
-                plan.folded_into[name] = "producer"
-            else:
-                plan.prologue[name] = (inverse(s) * inverse(plan.x_qparams[name][0])).float()
+            apply_factors(plan, chain, s, norm, producer if folds else None, lo * clip, hi * clip)
 
     def _search(self, plan: LayerPlan, chain: Chain, group: list[Chain], lo, hi, absmax,
                 smooth: bool):
@@ -265,13 +288,110 @@ class GPTQTransform:
             plan.weight_scales[c.name] = scale
 
 
+class AWQTransform:
+    """AWQ over the plan's layers in ``layers``: per input, the searched ``s`` folded through
+    SmoothQuant's machinery (``fold_norms``, ``apply_factors``); then, with ``clip``, each
+    layer's weight clamped at its searched per-group clip ratios. Records what it chose in
+    ``plan.awq`` (chain name -> ``{"ratio": ..., "folded": ..., "clipped": ...}``)."""
+
+    def __init__(self, awq: AWQ, layers: list[str], chains: list[Chain], config) -> None:
+        self.awq, self.layers, self.chains, self.config = awq, list(layers), list(chains), config
+
+    def _act(self, plan, chain: Chain, lo, hi):
+        """The activation rounding the layer applies to ``x / s`` (None: float activations)."""
+        if self.config.weight_only:
+            return None
+        if self.config.is_dynamic:
+            def act(xs, s):
+                q, scale = quantize_per_token(xs, torch.int8)
+                return q.float() * scale[:, None]
+            return act
+        def act(xs, s):
+            ones = torch.ones_like(lo)
+            scale, zp = smoothed_qparams(lo, hi, ones if s is None else s,
+                                         plan.symmetric_input(chain))
+            return fake_quantize(xs, scale, zp)
+        return act
+
+    def apply(self, plan) -> None:
+        selected = set(self.layers)
+        mine = [c for c in plan.chains if c.name in selected]
+        readers: dict[str, list[Chain]] = {}
+        for c in self.chains or plan.chains:  # every chain, also those kept float
+            readers.setdefault(c.input, []).append(c)
+        nodes = {n.name: n for n in plan.gm.graph.nodes}
+        groups: dict[str, list[Chain]] = {}
+        for c in mine:
+            groups.setdefault(c.input, []).append(c)
+        norms = fold_norms(plan, self.chains, selected)
+        chosen = plan.__dict__.setdefault("awq", {})
+        size, symmetric = self.config.group_size, self.config.weight_symmetric
+        for inp, group in progress(list(groups.items()), "AWQ scale search", total=len(groups)):
+            samples = self._samples(plan, inp, group[0])
+            norm = norms.get(inp)
+            producer = None
+            # a producer Linear whose output only this layer reads (through its observer)
+            if norm is None and len(readers[inp]) == 1 and len(nodes[inp].users) == 1:
+                producer = next((c for c in plan.chains if c.output == inp
+                                 and len(c.nodes) == 1), None)
+            if norm is None and producer is None:
+                for c in group:
+                    chosen[c.name] = {"ratio": None, "folded": "no fold target"}
+                continue
+            prev = plan.smoothing.get(group[0].name)  # SmoothQuant's factors, when it ran first
+            rows, x_mean = samples.rows, samples.abs_mean
+            if prev is not None:
+                rows, x_mean = rows / prev, x_mean / prev
+            observer = plan.observers[inp]
+            lo, hi = observer.value_range()
+            if prev is not None:
+                lo, hi = lo / prev, hi / prev
+            joint = torch.cat([plan.weights[c.name] for c in group])
+            ratio, s, _ = search_scale(
+                rows, x_mean, joint, size, symmetric, grid=self.awq.grid,
+                duo_scaling=self.awq.duo_scaling, act=self._act(plan, group[0], lo, hi))
+            where = "RMSNorm weight" if norm is not None else "producer"
+            for c in group:
+                chosen[c.name] = {"ratio": ratio, "folded": where if s is not None else None}
+                if s is None:
+                    continue
+                clip = plan.searched.get(c.name, (None, 1.0))[1]  # SmoothQuant's static clip
+                full_lo, full_hi = observer.value_range()
+                apply_factors(plan, c, s, norm, producer, full_lo * clip, full_hi * clip)
+        if not self.awq.clip:
+            return
+        for c in progress(mine, "AWQ clip search", total=len(mine)):
+            samples = self._samples(plan, c.input, c)
+            rows = samples.rows
+            s = plan.smoothing.get(c.name)
+            if s is not None:
+                rows = rows / s
+            plan.weights[c.name], ratios = search_clip(
+                rows, plan.weights[c.name], size, symmetric, grid=self.awq.clip_grid,
+                max_shrink=self.awq.max_shrink)
+            chosen.setdefault(c.name, {})["clipped"] = float((ratios < 1).float().mean())
+
+    @staticmethod
+    def _samples(plan, inp: str, chain: Chain) -> AWQSamples:
+        samples = plan.samples.get(inp)
+        if not isinstance(samples, AWQSamples):
+            raise QFuseError(
+                f"layer {chain.name}: AWQ found no calibration sample of its input; prepare the "
+                "model with awq=qfuse.AWQ(...) and run calibration batches before convert."
+            )
+        samples.check_calibrated()
+        return samples
+
+
 def transforms(state, hessians: dict) -> list:
-    """The transforms of a prepared model's plan, in order: SmoothQuant, GPTQ (for the layers
+    """The transforms of a prepared model's plan, in order: SmoothQuant, AWQ, GPTQ (for the layers
     in ``hessians``: chain name -> InputHessian), then the state's own (QAT's learned scales)."""
     out = []
     if state.smoothquant is not None and state.smoothed:
         out.append(SmoothQuantTransform(state.smoothquant, state.smoothed, state.chains,
                                         state.config))
+    if getattr(state, "awq", None) is not None:  # AWQ's scales and clips, then GPTQ rounds
+        out.append(AWQTransform(state.awq, state.awq_layers, state.chains, state.config))
     if hessians:
         per_channel = isinstance(state.config.weight_granularity, PerChannel)
         out.append(GPTQTransform(state.gptq, hessians, per_channel, state.config))

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 from torch import fx, nn
 
+from qfuse.algorithms.awq import AWQ, AWQSamples
+from qfuse.algorithms.awq import select as awq_select
 from qfuse.algorithms.gptq import GPTQ
 from qfuse.algorithms.gptq import select as gptq_select
 from qfuse.algorithms.smoothquant import SmoothQuant
@@ -71,15 +73,16 @@ def _insert_hessians(gm: fx.GraphModule, chains: list[Chain], gptq: GPTQ) -> dic
     return hessians
 
 
-def _insert_samples(gm: fx.GraphModule, chains: list[Chain], inputs: set[str]) -> dict[str, str]:
-    """An ``InputSamples`` between each of ``inputs``' observer and its readers (SmoothQuant's
-    search). Returns chain input -> module name."""
+def _insert_samples(gm: fx.GraphModule, chains: list[Chain], inputs: set[str],
+                    recorder=InputSamples) -> dict[str, str]:
+    """An ``InputSamples`` (or ``recorder``, a subclass) between each of ``inputs``' observer
+    and its readers (SmoothQuant's and AWQ's searches). Returns chain input -> module name."""
     nodes = {n.name: n for n in gm.graph.nodes}
     samples = {}
     for inp in sorted(inputs):
         readers = [c for c in chains if c.input == inp]
         name = f"qfuse_samples_{inp}"
-        _insert_reader(gm, nodes, readers, name, InputSamples(layer_name=_names(readers)))
+        _insert_reader(gm, nodes, readers, name, recorder(layer_name=_names(readers)))
         samples[inp] = name
     return samples
 
@@ -120,6 +123,7 @@ def prepare(
     gptq: GPTQ | None = None,
     merge_siblings: bool | None = None,
     pipeline: PipelineOptions | None = None,
+    awq: AWQ | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` and insert observers in front of every fusible Linear/Conv2d chain.
 
@@ -131,6 +135,8 @@ def prepare(
     SmoothQuant (``qfuse.SmoothQuant(alpha=...)``): inputs of the smoothed layers get per-channel
     MinMax observers, whose statistics the smoothing factors need. ``gptq`` (``qfuse.GPTQ()``)
     also records each layer's input Hessian, and convert rounds the weights with GPTQ.
+    ``awq`` (``qfuse.AWQ()``, 4-bit configs) records a sample of each layer's input, and convert
+    scales and clips the weights by AWQ's search before GPTQ or round-to-nearest.
     ``merge_siblings`` merges Linears that read one input and end there (Q, K, V) into one layer
     over concatenated weights, named after its members (``fusion.siblings``), and the gate and
     up projections of a gated MLP (``act(gate(x)) * up(x)``, SwiGLU / GeGLU) into one layer with
@@ -167,6 +173,7 @@ def prepare(
         layer_configs=layer_configs,
         smoothquant=smoothquant,
         gptq=gptq,
+        awq=awq,
     )
 
 
@@ -182,6 +189,7 @@ def prepare_pipeline(
     layer_configs: Mapping[str, QConfig] | None = None,
     smoothquant: SmoothQuant | None = None,
     gptq: GPTQ | None = None,
+    awq: AWQ | None = None,
 ) -> fx.GraphModule:
     """``prepare`` with resolved pipeline ``options``; ``replay`` repeats recorded merges
     exactly (QAT's lowering replays its train-mode graph's: ``qfuse.flows.qat.lower``)."""
@@ -195,13 +203,15 @@ def prepare_pipeline(
     nodes = {n.name: n for n in gm.graph.nodes}
     smoothed = smoothquant_select(gm, chains, smoothquant) if smoothquant else []
     smoothed_inputs = {c.input for c in chains if c.name in smoothed}
+    awq_layers = awq_select(chains, awq, config) if awq is not None else []
+    awq_inputs = {c.input for c in chains if c.name in awq_layers}
     observers: dict[str, str] = {}
     for chain in chains:
         if chain.input in observers:
             continue
         readers = [c.name for c in chains if c.input == chain.input]
         layer_config = config_for(chain.name, config, layer_configs)
-        per_channel = chain.input in smoothed_inputs
+        per_channel = chain.input in smoothed_inputs | awq_inputs
         obs = make_observer(
             "minmax" if per_channel else layer_config.observer,
             symmetric=layer_config.symmetric,
@@ -219,7 +229,8 @@ def prepare_pipeline(
                 anchor = nodes[reader.anchor]
                 anchor.args = (obs_node, *anchor.args[1:])
     search = smoothquant is not None and smoothquant.search
-    samples = _insert_samples(gm, chains, smoothed_inputs) if search else {}
+    sampled = (smoothed_inputs if search else set()) | awq_inputs
+    samples = _insert_samples(gm, chains, sampled, AWQSamples if awq else InputSamples)
     hessians = _insert_hessians(gm, chains, gptq) if gptq is not None else {}
     gm.recompile()
     folded = run.records.get("fold_batchnorm", [])
@@ -227,6 +238,7 @@ def prepare_pipeline(
     state.merged, state.pipeline, state.passes = run.merged, options, dict(run.records)
     state.smoothquant, state.smoothed = smoothquant, smoothed
     state.gptq, state.hessians, state.samples = gptq, hessians, samples
+    state.awq, state.awq_layers = awq, awq_layers
     state.source = ModelRef(model)
     set_state(gm, state)
     return gm

@@ -33,7 +33,7 @@ class QLinear4(QuantizedModule):
     LAYOUT_FIELDS = QuantizedModule.LAYOUT_FIELDS + ("in_features", "group_size", "act_bits")
     BUFFER_NAMES = ("weight", "weight_scale", "weight_zero_point", "bias", "x_scale",
                     "x_inv_scale")
-    triton_kernel = "triton w4a16 gemm"
+    triton_kernel = "triton w4 gemm"
 
     @classmethod
     def from_float(
@@ -111,7 +111,8 @@ class QLinear4(QuantizedModule):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the layer computes with (export, checks)."""
-        q = int4.unpack(self.weight, self.in_features)
+        # the buffer: a layer swapped into a user's model reports an empty float ``weight``
+        q = int4.unpack(self._buffers["weight"], self.in_features)
         return int4.dequantize_groups(q, self.weight_scale, self.weight_zero_point,
                                       self.group_size)
 
