@@ -32,6 +32,7 @@ import copy
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,17 @@ def recipes() -> list[Recipe]:
         Recipe("int8 static + SmoothQuant(0.8) on every Linear + GPTQ", static,
                {"smoothquant": every, "gptq": gptq}, static_int8=True),
     ]
+
+
+def alpha_variant(name: str) -> Recipe | None:
+    """``"int8 dynamic + SmoothQuant(<alpha>) + GPTQ"`` (or fp8) for any alpha: the W8A8 recipe
+    at another migration strength, or None when ``name`` is not of that form."""
+    match = re.fullmatch(r"(int8|fp8) dynamic \+ SmoothQuant\((0?\.\d+|1\.0)\) \+ GPTQ", name)
+    if match is None:
+        return None
+    config = qfuse.QConfig.int8_dynamic() if match[1] == "int8" else qfuse.QConfig.fp8_dynamic()
+    return Recipe(name, config, {"smoothquant": qfuse.SmoothQuant(float(match[2])),
+                                 "gptq": qfuse.GPTQ()})
 
 
 def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 4):
@@ -216,18 +228,24 @@ def run(
     qat_batch=4,
     peer_threads=1,
     partial: Path | None = None,
+    ranking: str = "full",
 ) -> dict:
     """Every recipe (or those ``names``) on ``model_name``; the result dict the CLI writes.
     ``device``/``dtype``: where and in what the model runs (on CUDA, bf16 runs the Triton
     kernels; each quantized row is then measured against the bf16 model). ``partial``: a file
-    rewritten with the rows measured so far after each one (an interrupted run keeps them)."""
+    rewritten with the rows measured so far after each one (an interrupted run keeps them).
+    ``ranking``: ``qfuse.sensitivity``'s method for auto_fallback's order ("full": one convert
+    per layer, ~14 min on SmolLM2 on the CPU; "local": one forward, each layer's own SQNR)."""
     data = dataset(model_name)
-    chosen = [r for r in recipes() if names is None or r.name in names]
-    unknown = set(names or ()) - {r.name for r in recipes()} - {"auto_fallback", "QAT"}
+    known = {r.name: r for r in recipes()}
+    known.update({n: alpha_variant(n) for n in names or () if alpha_variant(n) is not None})
+    chosen = [r for r in known.values() if names is None or r.name in names]
+    unknown = set(names or ()) - set(known) - {"auto_fallback", "QAT"}
     if unknown:
         raise SystemExit(
             f"unknown configs {sorted(unknown)}; choose from "
-            f"{[r.name for r in recipes()] + ['auto_fallback', 'QAT']}"
+            f"{[r.name for r in recipes()] + ['auto_fallback', 'QAT']}, or another "
+            "SmoothQuant alpha in 'int8 dynamic + SmoothQuant(0.8) + GPTQ'"
         )
     torch.manual_seed(0)
     model = data.load_model(dtype).to(device)
@@ -279,7 +297,7 @@ def run(
         layers = [c.name for c in get_state(prepared).chains if c.name not in lm_head(prepared)]
         window = valid[:1, : data.SEQ_LEN // 2].to(device)
         report = qfuse.sensitivity(prepared, data=[{"input_ids": window}],
-                                   layers=layers, quiet=not progress)
+                                   layers=layers, quiet=not progress, method=ranking)
         _, fb = qfuse.auto_fallback(
             prepared, lambda m: data.score(m, valid)[0], max_drop=budget,
             max_fraction=fallback_fraction, higher_is_better=False, fallback="fp8",
@@ -430,6 +448,8 @@ def main() -> None:
         "perplexity increase, % of float's",
     )
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-compute row")
+    parser.add_argument("--ranking", choices=("full", "local"), default="full",
+                        help="auto_fallback's layer ranking (qfuse.sensitivity's method)")
     parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
     parser.add_argument("--out", type=Path, default=Path("llm_ptq.json"))
     parser.add_argument("--threads", type=int, default=2)
@@ -463,6 +483,7 @@ def main() -> None:
         qat_batch=args.qat_batch,
         peer_threads=args.threads,
         partial=args.out.with_suffix(".rows.json"),
+        ranking=args.ranking,
     )
     result["seconds"] = time.perf_counter() - start
     result["command"] = "python -m qfuse.recipes.ptq_llm " + " ".join(sys.argv[1:])
@@ -475,11 +496,13 @@ def main() -> None:
 
 def sweep_spec(reduced: bool = False, model: str = "smollm2"):
     """The LLM yardstick as a ``qfuse sweep`` recipe: held-out perplexity (lower is better);
-    ``best`` tunes on the validation windows, within 1% of float's perplexity by default.
+    ``best`` searches ``SearchSpace.llm()`` (int8/fp8 with per-token activations, SmoothQuant
+    0.8, GPTQ, auto_fallback of <= 10% of the Linears to fp8 ranked by the local sensitivity)
+    on the validation windows, within 1% of float's validation perplexity by default.
 
-    ``reduced``: 8 calibration, 4 validation and 4 held-out windows.
+    ``reduced``: 8 calibration, 4 validation and 4 held-out windows, latency on one window.
     """
-    from qfuse.tools import SweepSpec
+    from qfuse.tools import SearchSpace, SweepSpec
 
     data = dataset(model)
     float_model = data.load_model()
@@ -487,24 +510,26 @@ def sweep_spec(reduced: bool = False, model: str = "smollm2"):
     valid = data.validation_windows(4 if reduced else None)
     calib = data.calibration_windows(8 if reduced else None)
     float_valid = data.score(float_model, valid)[0]
+    timed = 1 if reduced else 4  # windows per timed forward (a CPU takes seconds per window)
     return SweepSpec(
         name="llm",
         model=float_model,
         calibration=[{"input_ids": calib[i : i + 4, :-1]} for i in range(0, calib.shape[0], 4)],
         evaluate=lambda m: data.score(m, held)[0],
         validate=lambda m: data.score(m, valid)[0],
-        example={"input_ids": held[:4, :-1]},
+        example={"input_ids": held[:timed, :-1]},
         metric="held-out perplexity",
         higher_is_better=False,
         default_max_drop=0.01 * float_valid,
+        search_space=SearchSpace.llm(),
         description=(
             f"{model}: perplexity on {held.shape[0]} held-out windows of {data.SEQ_LEN} tokens; "
-            f"calibration {calib.shape[0]} windows; `best` tunes on {valid.shape[0]} validation "
-            f"windows within 1% of float's perplexity. Latency: one forward of 4 x "
-            f"{data.SEQ_LEN} tokens."
+            f"calibration {calib.shape[0]} windows; `best` searches SearchSpace.llm() on "
+            f"{valid.shape[0]} validation windows within 1% of float's validation perplexity "
+            f"({float_valid:.4f}, so max-drop {0.01 * float_valid:.4f}). Latency: one forward "
+            f"of {timed} x {data.SEQ_LEN} tokens."
         ),
     )
-
 
 if __name__ == "__main__":
     main()

@@ -130,3 +130,70 @@ def test_sensitivity_of_a_float_model_prepares_and_calibrates_it():
     converted = qfuse.convert(calibrated(model, x))
     with pytest.raises(qfuse.QFuseError, match="not a converted one"):
         qfuse.sensitivity(converted, data=[x])
+
+
+def test_local_sensitivity_ranks_like_the_full_one_without_converting(monkeypatch):
+    """method="local" (each layer's own output, fake-quantized in place) puts the planted layer
+    first, as the full method (a convert per layer) does, and never converts or recalibrates."""
+    x = torch.randn(64, 16)
+    prepared = calibrated(planted_model(), x)
+    full = qfuse.sensitivity(prepared, data=[x], quiet=True)
+    import qfuse.analysis.sensitivity as sens
+
+    def no_convert(*args, **kwargs):
+        raise AssertionError("the local method converted the model")
+
+    monkeypatch.setattr(sens, "convert", no_convert)
+    local = qfuse.sensitivity(prepared, data=[x], quiet=True, method="local")
+    assert local.ranked()[0].name == full.ranked()[0].name == "4"
+    ranked = local.ranked()
+    assert ranked[0].sqnr_db < 15 < min(r.sqnr_db for r in ranked[1:])
+    assert all(r.metric is None and r.drop is None for r in local.rows)
+    assert all(int(m.num_batches) == 1 for m in prepared.modules() if hasattr(m, "num_batches"))
+    with pytest.raises(qfuse.QFuseError, match="local"):
+        qfuse.sensitivity(prepared, data=[x], eval_fn=lambda m: 1.0, method="local")
+    with pytest.raises(qfuse.QFuseError, match="method"):
+        qfuse.sensitivity(prepared, data=[x], method="fast")
+
+
+@pytest.mark.parametrize(
+    "config, kwargs",
+    [
+        (qfuse.QConfig.int8_static(), {}),
+        (qfuse.QConfig.int8_static(), {"smoothquant": qfuse.SmoothQuant(0.8, layers=("*",)),
+                                       "gptq": qfuse.GPTQ()}),
+        (qfuse.QConfig.int8_dynamic(), {"gptq": qfuse.GPTQ()}),
+        (qfuse.QConfig.fp8_dynamic(), {}),
+    ],
+)
+def test_local_sqnr_of_the_last_layer_is_the_full_one(config, kwargs):
+    """The last layer's output is the model's: quantized alone, both methods measure the same
+    thing, so the local fake-quant (SmoothQuant factors, GPTQ weights, static or per-token input
+    scales) must give the converted model's SQNR."""
+    x = torch.randn(64, 16)
+    prepared = qfuse.prepare(planted_model(), config, (x,), **kwargs)
+    with torch.no_grad():
+        prepared(x)
+    full = {r.name: r.sqnr_db for r in qfuse.sensitivity(prepared, data=[x], quiet=True).rows}
+    local = {r.name: r.sqnr_db for r in
+             qfuse.sensitivity(prepared, data=[x], quiet=True, method="local").rows}
+    assert local["6"] == pytest.approx(full["6"], abs=0.05)
+
+
+def test_local_sensitivity_undoes_a_factor_folded_into_the_producer():
+    """SmoothQuant folds ``x / s`` into the producer Linear's rows; that layer's own output is
+    then ``y / s``, and the local method compares it to float's ``y`` after multiplying back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)).eval()
+    x = torch.randn(64, 16)
+
+    def local(**kwargs):
+        prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,), **kwargs)
+        with torch.no_grad():
+            prepared(x)
+        return {r.name: r.sqnr_db for r in
+                qfuse.sensitivity(prepared, data=[x], quiet=True, method="local").rows}
+
+    plain, smoothed = local(), local(smoothquant=qfuse.SmoothQuant(0.5))
+    # per-channel weight scales follow the rows: the producer's error is unchanged
+    assert smoothed["0"] == pytest.approx(plain["0"], abs=0.1)

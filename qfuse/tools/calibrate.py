@@ -19,12 +19,17 @@ from qfuse.flows.prepare import prepare
 from qfuse.progress import progress
 
 
-def key_of(config: QConfig, smoothquant: float | None, gptq: bool) -> str:
-    return json.dumps([config.to_dict(), smoothquant, gptq], sort_keys=True)
+def key_of(config: QConfig, smoothquant: float | None, gptq: bool,
+           smoothquant_layers: tuple[str, ...] | None = None) -> str:
+    key = [config.to_dict(), smoothquant, gptq]
+    if smoothquant is not None and smoothquant_layers is not None:
+        key.append(list(smoothquant_layers))
+    return json.dumps(key, sort_keys=True)
 
 
 class Calibrations:
-    """``get(config, smoothquant=alpha, gptq=bool)`` -> a calibrated ``qfuse.prepare`` result.
+    """``get(config, smoothquant=alpha, gptq=bool, smoothquant_layers=globs)`` -> a calibrated
+    ``qfuse.prepare`` result (``smoothquant_layers`` None: SmoothQuant's default layers).
 
     Example:
         >>> import torch, qfuse
@@ -45,13 +50,14 @@ class Calibrations:
         self.calibrations = 0
 
     @torch.no_grad()
-    def get(self, config: QConfig, smoothquant: float | None = None, gptq: bool = False):
-        key = key_of(config, smoothquant, gptq)
+    def get(self, config: QConfig, smoothquant: float | None = None, gptq: bool = False,
+            smoothquant_layers: tuple[str, ...] | None = None):
+        key = key_of(config, smoothquant, gptq, smoothquant_layers)
         if key not in self._cache:
             args, kwargs = split_batch(self.batches[0])
             extra = dict(self.prepare_kwargs)
             if smoothquant is not None:
-                extra["smoothquant"] = SmoothQuant(smoothquant)
+                extra["smoothquant"] = SmoothQuant(smoothquant, layers=smoothquant_layers)
             if gptq:
                 extra["gptq"] = GPTQ()
             prepared = prepare(self.model, config, args, example_kwargs=kwargs or None, **extra)

@@ -57,6 +57,7 @@ class SweepSpec:
     prepare_kwargs: dict = field(default_factory=dict)  # e.g. dynamic_shapes for qfuse.prepare
     default_max_drop: float = 0.01  # what `best` may lose when --max-drop is not given
     description: str = ""
+    search_space: object | None = None  # the SearchSpace `best` searches (None: SearchSpace())
 
     def __post_init__(self) -> None:
         if self.validate is None:

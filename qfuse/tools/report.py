@@ -199,8 +199,12 @@ def _search_section(s: dict) -> list[str]:
         f"row; on a busy machine the two differ by its noise); {s['evaluations']} steps.",
         "",
     ]
+    if s.get("why"):
+        out += [f"Why: {s['why']}.", ""]
     if c["keep_float"]:
         out += [f"Kept float: {', '.join(c['keep_float'])}.", ""]
+    if c.get("fp8_layers"):
+        out += [f"Moved to fp8: {', '.join(c['fp8_layers'])}.", ""]
     return out + _path_table(s["path"])
 
 

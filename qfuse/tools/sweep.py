@@ -238,6 +238,8 @@ def run_sweep(
     quiet: bool = False,
 ) -> dict:
     """Measure ``configs`` on ``spec`` and (when ``out`` is given) write the report directory.
+    ``space``: what ``best`` searches (default: the spec's ``search_space``, else
+    ``SearchSpace()``).
 
     Returns the results dict that ``results.json`` holds (``rows``, ``environment``, ``search``).
 
@@ -257,6 +259,7 @@ def run_sweep(
                            f"{torch.__version__}); sweep on the CPU with --device cpu.")
     if device.type not in ("cpu", "cuda"):
         raise UnsupportedError(f"device {device}: the sweep runs on cpu or cuda.")
+    space = space if space is not None else spec.search_space
     sweep = Sweep(spec, device, max_drop, tuple(modes), repeats, space, quiet)
     rows: list[dict] = []
     results = {
