@@ -82,6 +82,41 @@ def tiny_bert(layers: int = 1, dtype: torch.dtype = torch.float32):
     return transformers.BertModel(config, add_pooling_layer=False).eval().to(dtype)
 
 
+def tiny_llama(layers: int = 1):
+    """A randomly initialised transformers Llama (hidden 64, 4 query / 2 KV heads, vocab 96,
+    tied embeddings): what the 4-bit and AWQ tests convert."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def planned_float(prepared):
+    """The prepared graph with its plan's float weights and biases (SmoothQuant's / AWQ's
+    ``W * s``) and folded norm weights written in: no rounding, so it must compute what the
+    float model does. Returns ``(graph, plan)``."""
+    import copy
+
+    from qfuse.flows.plan import LayerPlan
+    from qfuse.state import get_state
+
+    state = get_state(prepared)
+    dtypes = {c.name: torch.int8 for c in state.chains}
+    plan = LayerPlan(prepared, state, state.chains, state.observers, dtypes, {}, fold_norms=True)
+    gm = copy.deepcopy(prepared)
+    plan.write_norm_weights(gm)
+    for chain in state.chains:
+        for ref, tensor in ((chain.weight, plan.weights[chain.name]),
+                            (chain.bias, plan.biases.get(chain.name))):
+            if ref is not None:
+                owner, _, leaf = ref.rpartition(".")
+                gm.get_submodule(owner)._parameters[leaf] = nn.Parameter(tensor)
+    return gm, plan
+
+
 def token_batch(seed: int = 0, pad: bool = True) -> dict:
     """Two sequences of 9 token ids for ``tiny_bert``; ``pad`` masks the second one's last 4."""
     g = torch.Generator().manual_seed(seed)

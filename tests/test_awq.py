@@ -4,8 +4,6 @@ the errors for bad settings."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -13,8 +11,7 @@ from torch import nn
 import qfuse
 from qfuse import int4
 from qfuse.algorithms.awq import AWQSamples, search_clip, search_scale
-from qfuse.flows.plan import LayerPlan
-from qfuse.state import get_state
+from tests.models import planned_float, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
@@ -123,27 +120,10 @@ def test_awq_beats_round_to_nearest_on_planted_salient_channels():
     assert clipped < rtn, (clipped, rtn)
 
 
-def _folded_float(prepared):
-    """The prepared graph with the plan's scaled float weights (W * s) and folded norm weights
-    written in: no rounding, so it must compute what the float model does."""
-    state = get_state(prepared)
-    dtypes = {c.name: torch.int8 for c in state.chains}
-    plan = LayerPlan(prepared, state, state.chains, state.observers, dtypes, {}, fold_norms=True)
-    gm = copy.deepcopy(prepared)
-    plan.write_norm_weights(gm)
-    for chain in state.chains:
-        owner, _, leaf = chain.weight.rpartition(".")
-        gm.get_submodule(owner)._parameters[leaf] = nn.Parameter(plan.weights[chain.name])
-        if chain.bias is not None:
-            owner, _, leaf = chain.bias.rpartition(".")
-            gm.get_submodule(owner)._parameters[leaf] = nn.Parameter(plan.biases[chain.name])
-    return gm, plan
-
-
 def test_folding_is_an_equivalence_in_float():
     model, calib, held = _planted()
     prepared = _prepare(model, calib, qfuse.QConfig.w4a16(32), awq=qfuse.AWQ(clip=False))
-    folded, plan = _folded_float(prepared)
+    folded, plan = planned_float(prepared)
     assert {plan.awq[n]["folded"] for n in ("a", "b", "fc1")} == {"RMSNorm weight"}
     assert plan.awq["fc2"]["folded"] == "producer"
     assert plan.awq["c"] == {"ratio": None, "folded": "no fold target"}  # reads a ReLU
@@ -156,12 +136,7 @@ def test_folding_is_an_equivalence_in_float():
 
 @pytest.fixture(scope="module")
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=2)
     with torch.no_grad():
         for layer in model.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -187,7 +162,7 @@ def test_llama_folds_into_both_norms_in_float(llama):
                              awq=qfuse.AWQ(clip=False))
     with torch.no_grad():
         prepared(input_ids=torch.randint(0, 96, (4, 16)))
-    folded, plan = _folded_float(prepared)
+    folded, plan = planned_float(prepared)
     assert len(plan.norm_weights) == 4  # input and post-attention norms of 2 layers
     with torch.no_grad():
         ref, out = llama(input_ids=ids).logits, folded(input_ids=ids)[0]

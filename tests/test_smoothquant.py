@@ -6,9 +6,8 @@ from torch import nn
 
 import qfuse
 from qfuse.algorithms.smoothquant import factors
-from qfuse.flows.plan import LayerPlan
 from qfuse.state import get_state
-from tests.models import LNBlock, sqnr_db
+from tests.models import LNBlock, planned_float, sqnr_db
 
 
 def quantize(model, x, **kw):
@@ -113,24 +112,10 @@ def test_default_selection_on_llama_smooths_what_rmsnorm_feeds(llama_merged, lla
     )
 
 
-def _smoothed_float(prepared):
-    """The prepared graph with the plan's smoothed float weights (W * s) and folded RMSNorm
-    weights (w / s) written in: no quantization, so it must compute what the float model does."""
-    state = get_state(prepared)
-    dtypes = {c.name: torch.int8 for c in state.chains}
-    plan = LayerPlan(prepared, state, state.chains, state.observers, dtypes, {}, fold_norms=True)
-    gm = copy.deepcopy(prepared)
-    plan.write_norm_weights(gm)
-    for chain in state.chains:
-        owner, _, leaf = chain.weight.rpartition(".")
-        gm.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(plan.weights[chain.name])
-    return gm, plan
-
-
 @pytest.mark.parametrize("merged", [True, False])
 def test_folding_into_rmsnorm_is_an_equivalence_in_float(merged, llama_merged, llama_unmerged):
     model, prepared, x = llama_merged if merged else llama_unmerged
-    smoothed, plan = _smoothed_float(prepared)
+    smoothed, plan = planned_float(prepared)
     state = get_state(prepared)
     assert {plan.folded_into[n] for n in state.smoothed} == {"RMSNorm weight"}
     assert not plan.prologue and len(plan.norm_weights) == 4  # 2 norms in each of 2 layers

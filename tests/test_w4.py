@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import qfuse
 from qfuse import int4
@@ -14,6 +14,7 @@ from qfuse.algorithms.gptq import GPTQ, gptq_round_groups
 from qfuse.errors import ShapeError, UnsupportedError
 from qfuse.nn.qlinear4 import QLinear4
 from qfuse.ops.w4linear import W4Call, gemm_reference
+from tests.models import tiny_llama
 
 
 def test_pack_layout_is_compressed_tensors():
@@ -107,10 +108,7 @@ def test_gptq_groups_beats_rtn_on_the_grid(symmetric, act_order):
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(layers=2)
 
 
 def _logits(out):

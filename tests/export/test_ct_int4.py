@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import qfuse
 from qfuse import int4
@@ -27,6 +27,7 @@ from qfuse.errors import UnsupportedError
 from qfuse.export.ct_int4 import export_compressed_tensors_w4, load_compressed_tensors_w4
 from qfuse.nn.qlinear4 import QLinear4
 from qfuse.state import get_state
+from tests.models import tiny_llama
 
 DATA = Path(__file__).parent / "data"
 LLMC = ["llmc_w4a16_g32", "llmc_w4a16_asym_g32"]
@@ -37,10 +38,7 @@ LLAMA_LINEARS = [f"model.layers.{i}.{n}" for i in range(2) for n in (
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(layers=1)
 
 
 def _convert(llama, config):
