@@ -445,7 +445,7 @@ def main() -> None:
         type=float,
         default=None,
         help="also a metric budget: the fewest of those layers within this validation "
-        "perplexity increase, % of float's",
+        "perplexity increase, %% of float's",
     )
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-compute row")
     parser.add_argument("--ranking", choices=("full", "local"), default="full",
