@@ -58,18 +58,19 @@ class Layer4:
     down: W4Call
 
 
-def _w4_call(call, group: int) -> W4Call:
+def _w4_call(call, group: int, act_bits: int = 16) -> W4Call:
     """The 4-bit twin of an int8 chain's ``GemmCall``: its weight (as bf16_layers scales it)
-    rounded to 4 bits in asymmetric groups, its bias and activation, bf16 out."""
+    rounded to 4 bits in asymmetric groups, its bias and activation, bf16 out; W4A8
+    (``act_bits=8``): x quantized per token."""
     w = call.weight.float() * 0.01
     scale, zero = int4.group_qparams(w, group, symmetric=False)
     q = int4.quantize_groups(w, scale, zero, group)
     return W4Call(int4.pack(q), scale, zero, call.bias, w.shape[1], group, act=call.act,
-                  out_dtype=torch.bfloat16)
+                  act_bits=act_bits, out_dtype=torch.bfloat16)
 
 
-def w4_layers(layers: list, group: int) -> list[Layer4]:
-    return [Layer4(*(_w4_call(c, group) for c in (L.qkv, L.o, L.gate_up, L.down)))
+def w4_layers(layers: list, group: int, act_bits: int = 16) -> list[Layer4]:
+    return [Layer4(*(_w4_call(c, group, act_bits) for c in (L.qkv, L.o, L.gate_up, L.down)))
             for L in layers]
 
 
@@ -82,8 +83,8 @@ def w4_step(layers: list[Layer4], h: torch.Tensor, cfgs: dict | None = None) -> 
 
     def run(x, call: W4Call, role: str, residual=None):
         return w4_gemm(x, call.weight, call.scale, call.zero, call.bias, call.in_features,
-                       call.group_size, call.act, 16, None, None, residual, call.out_dtype,
-                       c.get(role))
+                       call.group_size, call.act, call.act_bits, None, None, residual,
+                       call.out_dtype, c.get(role))
 
     d = h.shape[1]
     for L in layers:
@@ -99,7 +100,7 @@ def role_configs(layers: list[Layer4], M: int, template, device) -> dict:
     from qfuse.kernels.gemm.w4 import with_split
 
     L = layers[0]
-    return {r: with_split(template, M, c.weight.shape[0], c.in_features, c.group_size,
+    return {r: with_split(template, M, c.weight.shape[0], c.in_features, c.group_size, 16,
                           torch.device(device))
             for r, c in zip(dc.ROLES, (L.qkv, L.o, L.gate_up, L.down), strict=True)}
 
@@ -110,6 +111,12 @@ def sweep_templates(M: int) -> list:
     from qfuse.kernels.gemm.w4 import W4Config
 
     bm = min(triton.next_power_of_2(M), 16)
+    if M == 1:  # the one-row W4A16 schedule (_gemv_a16): rows, K step, prefetch, warps
+        return [W4Config(1, bn, bk, 1, w, 1, True, prefetch=pf) for bn, bk, pf, w in
+                ((4, 512, 2, 4), (8, 256, 2, 4), (8, 512, 1, 4), (8, 512, 2, 4),
+                 (8, 1024, 2, 4), (16, 128, 2, 4), (16, 256, 1, 4), (16, 256, 2, 2),
+                 (16, 512, 1, 4), (16, 512, 2, 4), (16, 1024, 1, 8), (32, 128, 2, 4),
+                 (32, 256, 1, 4), (32, 256, 2, 8))]
     out = [W4Config(bm, bn, 128, 1, w, 1, True) for bn, w in
            ((8, 4), (16, 4), (32, 4), (32, 2), (64, 4))
            if bm == 1 or bm * bn <= 128]  # a step's products are [BM, BN, 128] (1 row: lanes)
@@ -118,6 +125,55 @@ def sweep_templates(M: int) -> list:
                 for bn, bk, w in ((32, 128, 4), (64, 128, 4), (64, 128, 8), (64, 64, 4),
                                   (128, 128, 8))]
     return out
+
+
+ATTRS = dict(zip(dc.ROLES, ("qkv", "o", "gate_up", "down"), strict=True))
+
+
+def role_sweep(layers: list[Layer4], M: int, templates: list, device: str) -> tuple[list, dict]:
+    """Each role's 22 GEMMs alone in one graph (the same input for all: each streams its own
+    weights) under every template: rows, and the fastest template per role (with its split)."""
+    from bench.harness import graphed
+    from qfuse.kernels.gemm.w4 import w4_gemm
+
+    rows, best = [], {}
+    g = torch.Generator().manual_seed(3)
+    for role, attr in ATTRS.items():
+        c0 = getattr(layers[0], attr)
+        x = (torch.randn(M, c0.in_features, generator=g) * 0.5).to(torch.bfloat16).to(device)
+        n_out = c0.weight.shape[0] // (2 if c0.act == "swiglu" else 1)
+        res = (torch.randn(M, n_out, generator=g).to(torch.bfloat16).to(device)
+               if role in ("o_proj", "down") else None)
+        nbytes = sum(t.numel() * t.element_size() for L in layers
+                     for t in (getattr(L, attr).weight, getattr(L, attr).scale,
+                               getattr(L, attr).zero))
+        for template in templates:
+            cfg = role_configs(layers, M, template, device)[role]
+
+            def step(cfg=cfg, attr=attr, x=x, res=res):
+                y = None
+                for L in layers:
+                    c = getattr(L, attr)
+                    y = w4_gemm(x, c.weight, c.scale, c.zero, c.bias, c.in_features,
+                                c.group_size, c.act, c.act_bits, None, None, res, c.out_dtype,
+                                cfg)
+                return y
+
+            row = {"impl": f"role {role}", "M": M, "config": dataclasses.asdict(cfg),
+                   "weight_bytes": nbytes, "sweep": True}
+            try:
+                replay = graphed(step)
+                replay()
+                us = triton.testing.do_bench(replay, warmup=5, rep=40, return_mode="median") * 1e3
+                row.update(role_us=us, tb_s=nbytes / (us * 1e-6) / 1e12)
+                del replay
+                if role not in best or us < best[role][0]:
+                    best[role] = (us, cfg)
+            except Exception as exc:  # noqa: BLE001 — a failing variant is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows, {r: cfg for r, (_, cfg) in best.items()}
 
 
 def w4_bytes(layers: list[Layer4]) -> int:
@@ -184,7 +240,8 @@ def timed_row(impl: str, M: int, step, nbytes: int, extra: dict) -> dict:
     return row
 
 
-def run(M: int, tiny: bool, device: str, sweep: bool = False) -> list[dict]:
+def run(M: int, tiny: bool, device: str, sweep: bool = False, a8: bool = False
+        ) -> list[dict]:
     from qfuse.kernels.gemm.w4 import pick_config, step_k
 
     d = 64 if tiny else 2048
@@ -203,7 +260,7 @@ def run(M: int, tiny: bool, device: str, sweep: bool = False) -> list[dict]:
         cfg = pick_config(M, c.weight.shape[0], c.in_features, c.group_size, 16,
                           torch.device(device))
         picks[r] = {**dataclasses.asdict(cfg), "step_k": step_k(cfg, c.in_features,
-                                                                 c.group_size)}
+                                                                 c.group_size, 16)}
     base = {"group": layers[0].qkv.group_size, "qkv_rel_err_vs_reference": err, "picks": picks}
     if device == "cpu":
         out = w4_step(layers, h0)
@@ -223,7 +280,19 @@ def run(M: int, tiny: bool, device: str, sweep: bool = False) -> list[dict]:
     nbytes4 = w4_bytes(layers)
     rows.append(timed_row(f"qfuse_w4a16_g{GROUP}", M, lambda: w4_step(layers, h0), nbytes4,
                           base))
-    for template in (sweep_templates(M) if sweep else ()):
+    if sweep and M == 1:  # per role, then the chain with each role's fastest schedule
+        role_rows, tuned = role_sweep(layers, M, sweep_templates(M), device)
+        rows += role_rows
+        if len(tuned) == len(ATTRS):
+            rows.append(timed_row(f"qfuse_w4a16_g{GROUP} tuned", M,
+                                  lambda: w4_step(layers, h0, tuned), nbytes4,
+                                  {"configs": {r: dataclasses.asdict(v)
+                                               for r, v in tuned.items()}}))
+    if a8:  # W4A8, x quantized per token (a quantize pass before each GEMM)
+        layers8 = w4_layers(int8, GROUP, 8)
+        rows.append(timed_row(f"qfuse_w4a8_g{GROUP}", M, lambda: w4_step(layers8, h0), nbytes4,
+                              {}))
+    for template in (sweep_templates(M) if sweep and M > 1 else ()):
         cfgs = role_configs(layers, M, template, device)
         name = ("decode" if template.decode else "tiles") + \
             f" {template.block_m}x{template.block_n}x{template.block_k} w{template.num_warps}"
@@ -324,6 +393,7 @@ def main(argv=None) -> None:
                     help="let the int8 chain's autotune compile as it goes")
     ap.add_argument("--sweep", action="store_true",
                     help="also time other 4-bit schedules (sweep_templates) in the chain")
+    ap.add_argument("--a8", action="store_true", help="also time the W4A8 (per-token) chain")
     ap.add_argument("--ptxas", action="store_true",
                     help="no GPU: compile the chain's kernels for sm_90, report registers/spills")
     ap.add_argument("--out", default=None)
@@ -353,7 +423,7 @@ def main(argv=None) -> None:
     rows = []
     with ctx:
         for M in ms:
-            rows += run(M, a.tiny, device, a.sweep)
+            rows += run(M, a.tiny, device, a.sweep, a.a8)
             if device == "cuda":
                 torch.cuda.empty_cache()
     if a.out:

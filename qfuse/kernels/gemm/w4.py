@@ -24,7 +24,11 @@ Two schedules, constexpr ``DECODE``:
   ptxas spill): W4A16 multiplies x in its own dtype by the codes in that dtype (exact:
   |q - zero| <= 15) into a float32 group sum, scaled when the group ends; W4A8 multiplies int8 x
   by the int8 codes into an int32 group sum.
-- ``DECODE`` (weight streaming as ``decode.py``): no tensor cores, no reshapes; a program owns
+- ``DECODE`` with one W4A16 row (``_gemv_a16``): the same weight stream in the words' own 2-D
+  layout, groups looked up per word (a K step may span groups), words prefetched one or two
+  steps ahead.
+- ``DECODE`` otherwise (weight streaming as ``decode.py``): no tensor cores, no reshapes; a
+  program owns
   ``BLOCK_N`` whole weight rows and ``BLOCK_M`` x rows and works in the words' own
   [.., BLOCK_N, BLOCK_K / 8] shape: code ``j`` of every word (a shift and a mask) against x's
   column ``8 w + j`` (eight strided loads of a few-KB x, L1-resident), accumulated lane-wise
@@ -115,53 +119,77 @@ def _nibbles(words, BLOCK_K: tl.constexpr):
     return tl.reshape(_nibbles3(words), (words.shape[0], BLOCK_K))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4_kernel(
-    # pointers
-    x_ptr, w_ptr, s_ptr, z_ptr, x_scale_ptr, x_inv_scale_ptr, ones_ptr, bias_ptr, res_ptr,
-    out_ptr, ws_ptr, lock_ptr,
-    # dimensions (KW: words per weight row; GROUP: columns per scale group)
-    M, N, K, KW, GROUP,
-    # strides (the weight's words, scales' and zero points' groups are contiguous)
-    stride_xm, stride_xk, stride_wn, stride_sn, stride_rm, stride_rn, stride_om, stride_on,
-    # meta-parameters: numerics
-    A8: tl.constexpr,
-    X_QUANTIZED: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    OUT_MANT: tl.constexpr,
-    OUT_EMIN: tl.constexpr,
-    EXACT: tl.constexpr,
-    FAST_ACT: tl.constexpr,
-    IEEE: tl.constexpr,
-    # meta-parameters: schedule
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    DECODE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
+@triton.jit
+def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, stride_xk,
+              stride_wn, stride_sn, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """One x row (W4A16, M = 1) against weight rows ``cols`` over K steps
+    ``[k_first, k_end)``: float32 [BLOCK_N].
+
+    Everything lives in the words' own 2-D [BLOCK_N, BLOCK_K / 8] layout, x as a broadcast row
+    of it: the 3-D [rows, columns, words] form of the other decode paths made Triton move every
+    code tile through shared memory (8 layout conversions and barriers a step, read from the
+    sm_90 TTGIR). A word's group is looked up per word (scales and zero points are a few KB,
+    cached), so a K step may span groups: steps of 256..1024 columns keep more weight bytes in
+    flight than one 128-column group did. ``PREFETCH`` steps of words are loaded ahead."""
+    BKW: tl.constexpr = BLOCK_K // 8
+    offs_kw = tl.arange(0, BKW)
+    w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_first * BKW + offs_kw)[None, :]
+    w1 = _w_step(w_ptrs, k_first, k_end, offs_kw, KW, BKW, EVEN_K, 0)
+    w2 = w1
+    if PREFETCH > 1:
+        w2 = _w_step(w_ptrs + BKW, k_first + 1, k_end, offs_kw, KW, BKW, EVEN_K, 0)
+    pdl_wait(PDL)  # the weights do not depend on the kernel before; x and the rest may
+    acc = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
+    for k in range(k_first, k_end):
+        words = w1
+        if PREFETCH > 1:
+            w1 = w2
+            w2 = _w_step(w_ptrs + (k - k_first + 2) * BKW, k + 2, k_end, offs_kw, KW, BKW,
+                         EVEN_K, 0)
+        else:
+            w1 = _w_step(w_ptrs + (k - k_first + 1) * BKW, k + 1, k_end, offs_kw, KW, BKW,
+                         EVEN_K, 0)
+        col0 = k * BLOCK_K + offs_kw * 8
+        sg = s_ptr + cols[:, None] * stride_sn + (col0 // GROUP)[None, :]
+        zg = z_ptr + cols[:, None] * stride_sn + (col0 // GROUP)[None, :]
+        if EVEN_K:
+            scale = tl.load(sg)
+        else:  # words past K: scale 0 (their x is 0 too)
+            scale = tl.load(sg, mask=(col0 < K)[None, :], other=0.0)
+        if HAS_ZP:
+            if EVEN_K:
+                zero = tl.load(zg)
+            else:
+                zero = tl.load(zg, mask=(col0 < K)[None, :], other=0)
+            offset = zero.to(tl.float32) + MAGIC_BIAS
+        else:
+            offset = MAGIC_BIAS
+        t = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
+        for j in tl.static_range(8):
+            col = col0 + j
+            if EVEN_K:
+                xv = tl.load(x_ptr + col * stride_xk)
+            else:
+                xv = tl.load(x_ptr + col * stride_xk, mask=col < K, other=0.0)
+            qj = ((((words >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
+                  - offset)
+            t += xv.to(tl.float32)[None, :] * qj
+        acc += t * scale
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _w4_accumulate(
+    x_ptr, w_ptr, s_ptr, z_ptr, x_inv_scale_ptr, offs_m, mask_m, cols, K, KW, GROUP,
+    k_first, k_end, stride_xm, stride_xk, stride_wn, stride_sn,
+    A8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_ZP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """x [M, K] (float; W4A8 per token: int8), w int32 [N, KW], s float32 [N, G], z int8
-    [N, G] -> out [M, N] (gated: [M, N / 2]). Program ``(pid, s)``: output tile ``pid`` over
-    the ``s``-th of ``SPLIT_K`` K ranges."""
-    pid = tl.program_id(0)
-    if DECODE:
-        # the row blocks of one column block are neighbours in launch order (W shared in L2)
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid_n = pid // num_m
-        offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    else:
-        offs_m, offs_n, _, pid_n = tile_offsets(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    mask_m = offs_m < M
-    cols = tl.where(offs_n < N, offs_n, 0)  # columns past N read row 0; the store drops them
-    k_first, k_end = k_range(K, BLOCK_K, SPLIT_K)
+    """acc [BLOCK_M, BLOCK_N] float32 over K steps ``[k_first, k_end)``: the tile schedule and
+    the decode schedule beyond one W4A16 row (W4A8, or 2..4 rows); every K step lies inside
+    one group (``step_k``)."""
     BKW: tl.constexpr = BLOCK_K // 8
     offs_kw = tl.arange(0, BKW)
     offs_k = tl.arange(0, BLOCK_K)
@@ -269,6 +297,67 @@ def _w4_kernel(
                     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DECODE and not A8:
         acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4_kernel(
+    # pointers
+    x_ptr, w_ptr, s_ptr, z_ptr, x_scale_ptr, x_inv_scale_ptr, ones_ptr, bias_ptr, res_ptr,
+    out_ptr, ws_ptr, lock_ptr,
+    # dimensions (KW: words per weight row; GROUP: columns per scale group)
+    M, N, K, KW, GROUP,
+    # strides (the weight's words, scales' and zero points' groups are contiguous)
+    stride_xm, stride_xk, stride_wn, stride_sn, stride_rm, stride_rn, stride_om, stride_on,
+    # meta-parameters: numerics
+    A8: tl.constexpr,
+    X_QUANTIZED: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_MANT: tl.constexpr,
+    OUT_EMIN: tl.constexpr,
+    EXACT: tl.constexpr,
+    FAST_ACT: tl.constexpr,
+    IEEE: tl.constexpr,
+    # meta-parameters: schedule
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DECODE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """x [M, K] (float; W4A8 per token: int8), w int32 [N, KW], s float32 [N, G], z int8
+    [N, G] -> out [M, N] (gated: [M, N / 2]). Program ``(pid, s)``: output tile ``pid`` over
+    the ``s``-th of ``SPLIT_K`` K ranges."""
+    pid = tl.program_id(0)
+    if DECODE:
+        # the row blocks of one column block are neighbours in launch order (W shared in L2)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_n = pid // num_m
+        offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        offs_m, offs_n, _, pid_n = tile_offsets(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    mask_m = offs_m < M
+    cols = tl.where(offs_n < N, offs_n, 0)  # columns past N read row 0; the store drops them
+    k_first, k_end = k_range(K, BLOCK_K, SPLIT_K)
+    if DECODE and (not A8) and BLOCK_M == 1:
+        row = pid % tl.cdiv(M, BLOCK_M)  # the decode schedule's row block (one row)
+        acc = _gemv_a16(x_ptr + row * stride_xm, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP,
+                        k_first, k_end, stride_xk, stride_wn, stride_sn, HAS_ZP, BLOCK_K,
+                        EVEN_K, PDL, PREFETCH)[None, :]
+    else:
+        acc = _w4_accumulate(
+            x_ptr, w_ptr, s_ptr, z_ptr, x_inv_scale_ptr, offs_m, mask_m, cols, K, KW, GROUP,
+            k_first, k_end, stride_xm, stride_xk, stride_wn, stride_sn,
+            A8, X_QUANTIZED, HAS_ZP, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, EVEN_K, PDL)
     # ---- split-K: park the partial sum; the tile's last program reduces and goes on ----
     is_last = True
     if SPLIT_K > 1:
@@ -292,7 +381,9 @@ def _w4_kernel(
 class W4Config:
     """A schedule of ``_w4_kernel``: tile sizes, split-K, warps, stages, and ``decode`` (the
     weight-streaming schedule, no tensor cores). ``block_k`` is an upper bound: the launch
-    shrinks it to a power of two dividing the group size when a row has several groups."""
+    shrinks it to a power of two dividing the group size when a row has several groups, except
+    for one W4A16 row (``gemv``: scales looked up per word). ``prefetch``: K steps of weights
+    that one W4A16 row's loop loads ahead (1 or 2)."""
 
     block_m: int
     block_n: int
@@ -301,9 +392,17 @@ class W4Config:
     num_warps: int = 4
     num_stages: int = 2
     decode: bool = True
+    prefetch: int = 1
+
+    def gemv(self, act_bits: int) -> bool:
+        """The one-row W4A16 schedule (``_gemv_a16``)."""
+        return self.decode and self.block_m == 1 and act_bits == 16
 
 
 DECODE_MAX_M = 16
+# One W4A16 row (``_gemv_a16``): 16 rows x 256 columns a step (8 KB of a program's loads in
+# flight with the prefetch), split-K to ~4 programs per SM. To be tuned on an H200 (w4_chain).
+GEMV = W4Config(1, 16, 256, 1, 4, 1, True, prefetch=2)
 INTERPRETER_SMS = 8  # the interpreter's "GPU": split-K rules see a small one
 
 
@@ -311,11 +410,12 @@ def _pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def step_k(cfg: W4Config, K: int, group_size: int | None) -> int:
+def step_k(cfg: W4Config, K: int, group_size: int | None, act_bits: int) -> int:
     """The K step a launch uses: ``cfg.block_k``, shrunk to divide the group size when a row
-    has several groups (4-bit group sizes are multiples of 8, so at least 8)."""
+    has several groups (4-bit group sizes are multiples of 8, so at least 8); one W4A16 row
+    (``gemv``) looks its groups up per word and keeps ``block_k``."""
     bk = cfg.block_k
-    if group_size is not None and group_size < K:
+    if group_size is not None and group_size < K and not cfg.gemv(act_bits):
         bk = min(bk, _pow2_divisor(group_size))
     return bk
 
@@ -334,8 +434,9 @@ def _split(tiles: int, k_steps: int, group_steps: int, sms: int, per_sm: int) ->
 
 def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
                 device: torch.device, sms: int | None = None) -> W4Config:
-    """The schedule for an [M, K] x [N, K] 4-bit GEMM (defaults for an H100/H200, untuned):
+    """The schedule for an [M, K] x [N, K] 4-bit GEMM (defaults for an H100/H200):
 
+    - one W4A16 row: ``GEMV`` (``_gemv_a16``), split-K to ~4 programs per SM;
     - weight streaming (``decode``) for M <= 4 (W4A16) or M <= 16 (W4A8, whose dp4a path costs
       ~2 instructions per 8 codes and row): K steps of 128 columns (64 bytes of a row; g64 halves
       them), 32 weight rows per program (16 for 2..4 rows of W4A16, and beyond 4 rows of W4A8,
@@ -352,7 +453,9 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
     ``GPUTarget``), none spilling: decode M = 1 32x128 80, W4A8 decode 16x16x128 168, tiles
     16x64x128 108, 32x64x128/8 warps 170, 64x64x64/8 warps 168."""
     bm = min(triton.next_power_of_2(max(M, 1)), 16)
-    if M <= (DECODE_MAX_M if act_bits == 8 else 4):
+    if M == 1 and act_bits == 16:
+        cfg = GEMV
+    elif M <= (DECODE_MAX_M if act_bits == 8 else 4):
         # W4A16 sums each step's [BM, BN, BK] products (one row: lane-wise): 16 rows for 2..4
         cfg = W4Config(bm, 32 if bm <= (4 if act_bits == 8 else 1) else 16, 128, 1, 4, 1,
                        True)
@@ -361,10 +464,10 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
     else:
         cfg = W4Config(32, 64, 128, 1, 8, 3, False) if M <= 32 else \
             W4Config(64, 64, 64, 1, 8, 3, False)
-    return with_split(cfg, M, N, K, group_size, device, sms)
+    return with_split(cfg, M, N, K, group_size, act_bits, device, sms)
 
 
-def with_split(cfg: W4Config, M: int, N: int, K: int, group_size: int | None,
+def with_split(cfg: W4Config, M: int, N: int, K: int, group_size: int | None, act_bits: int,
                device: torch.device, sms: int | None = None) -> W4Config:
     """``cfg`` with the split-K that fills the GPU (``sms`` multiprocessors: the device's by
     default): ~4 programs per SM for the decode schedule, 2 for tiles up to M = 16, 1 beyond
@@ -378,9 +481,11 @@ def with_split(cfg: W4Config, M: int, N: int, K: int, group_size: int | None,
     else:
         sms = INTERPRETER_SMS
     per_sm = 4 if cfg.decode else (2 if M <= DECODE_MAX_M else 1)
-    bk = step_k(cfg, K, group_size)
+    bk = step_k(cfg, K, group_size, act_bits)
     k_steps = -(-K // bk)
     group_steps = group_size // bk if group_size is not None and group_size < K else k_steps
+    if cfg.gemv(act_bits):  # groups looked up per word: a split may end anywhere
+        group_steps = k_steps
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     return dataclasses.replace(cfg, split_k=_split(tiles, k_steps, group_steps, sms, per_sm))
 
@@ -450,12 +555,12 @@ def w4_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if M == 0:
         return out, None, {}, {}
     cfg = config or pick_config(M, N, K, group_size, act_bits, x.device)
-    bk = step_k(cfg, K, group_size)
+    bk = step_k(cfg, K, group_size, act_bits)
     if config is None and not cfg.decode and x.dtype == torch.float32 and act_bits == 16:
         # an IEEE float32 dot runs on CUDA-core FMAs: a 64x64 tile spilled ~10 KB (ptxas)
         cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 32),
                                   block_n=min(cfg.block_n, 32), block_k=min(cfg.block_k, 32))
-        bk = step_k(cfg, K, group_size)
+        bk = step_k(cfg, K, group_size, act_bits)
     if not cfg.decode and bk < (32 if act_bits == 8 else 16):
         # groups of 8 or 24 columns (a K step of 8) are below a tensor-core dot's K: the
         # CUDA-core schedule serves them
@@ -503,6 +608,7 @@ def w4_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         EXACT=INTERPRETED, FAST_ACT=False, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=8,
         SPLIT_K=cfg.split_k, DECODE=cfg.decode, EVEN_K=K % bk == 0, PDL=use_pdl,
+        PREFETCH=cfg.prefetch,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if use_pdl:
