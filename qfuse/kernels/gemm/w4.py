@@ -120,6 +120,37 @@ def _nibbles(words, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _gemv_groups(s_ptr, z_ptr, cols, k, k_end, K, GROUP, stride_sn, offs_kw,
+                 HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step ``k``'s scale and ``2**23 + 8 + zero`` per word [BLOCK_N, BLOCK_K / 8] (zeros
+    from ``k_end`` on; words past K: scale 0, their x is 0 too)."""
+    col0 = k * BLOCK_K + offs_kw * 8
+    at = cols[:, None] * stride_sn + (col0 // GROUP)[None, :]
+    if EVEN_K:
+        mask = (k < k_end) & (col0 >= 0)[None, :]
+    else:
+        mask = (k < k_end) & (col0 < K)[None, :]
+    scale = tl.load(s_ptr + at, mask=mask, other=0.0)
+    if HAS_ZP:
+        offset = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32) + MAGIC_BIAS
+    else:
+        offset = tl.zeros_like(scale) + MAGIC_BIAS
+    return scale, offset
+
+
+@triton.jit
+def _gemv_x(x_ptr, k, k_end, K, stride_xk, offs_kw, j: tl.constexpr, BLOCK_K: tl.constexpr,
+            EVEN_K: tl.constexpr):
+    """x[8 w + j] of K step ``k``'s words ``w``, float32 [BLOCK_K / 8] (0 past K or k_end)."""
+    col = k * BLOCK_K + offs_kw * 8 + j
+    if EVEN_K:
+        mask = (k < k_end) & (col >= 0)
+    else:
+        mask = (k < k_end) & (col < K)
+    return tl.load(x_ptr + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, stride_xk,
               stride_wn, stride_sn, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
@@ -129,9 +160,10 @@ def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, st
     Everything lives in the words' own 2-D [BLOCK_N, BLOCK_K / 8] layout, x as a broadcast row
     of it: the 3-D [rows, columns, words] form of the other decode paths made Triton move every
     code tile through shared memory (8 layout conversions and barriers a step, read from the
-    sm_90 TTGIR). A word's group is looked up per word (scales and zero points are a few KB,
-    cached), so a K step may span groups: steps of 256..1024 columns keep more weight bytes in
-    flight than one 128-column group did. ``PREFETCH`` steps of words are loaded ahead."""
+    sm_90 TTGIR). A word's group is looked up per word, so a K step may span groups. Every
+    load of a step is issued a step ahead (the words ``PREFETCH`` steps ahead): the scales,
+    zero points and x of the step being multiplied are already in registers, so no step waits
+    on a load it has just issued."""
     BKW: tl.constexpr = BLOCK_K // 8
     offs_kw = tl.arange(0, BKW)
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_first * BKW + offs_kw)[None, :]
@@ -139,10 +171,22 @@ def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, st
     w2 = w1
     if PREFETCH > 1:
         w2 = _w_step(w_ptrs + BKW, k_first + 1, k_end, offs_kw, KW, BKW, EVEN_K, 0)
-    pdl_wait(PDL)  # the weights do not depend on the kernel before; x and the rest may
+    s1, o1 = _gemv_groups(s_ptr, z_ptr, cols, k_first, k_end, K, GROUP, stride_sn, offs_kw,
+                          HAS_ZP, BLOCK_K, EVEN_K)
+    pdl_wait(PDL)  # the weights and scales do not depend on the kernel before; x may
+    x0 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
+    x1 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
+    x2 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
+    x3 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
+    x4 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
+    x5 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
+    x6 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
+    x7 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
     acc = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
     for k in range(k_first, k_end):
-        words = w1
+        words, scale, offset = w1, s1, o1
+        xs = (x0, x1, x2, x3, x4, x5, x6, x7)
+        # the next step's loads first
         if PREFETCH > 1:
             w1 = w2
             w2 = _w_step(w_ptrs + (k - k_first + 2) * BKW, k + 2, k_end, offs_kw, KW, BKW,
@@ -150,31 +194,23 @@ def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, st
         else:
             w1 = _w_step(w_ptrs + (k - k_first + 1) * BKW, k + 1, k_end, offs_kw, KW, BKW,
                          EVEN_K, 0)
-        col0 = k * BLOCK_K + offs_kw * 8
-        sg = s_ptr + cols[:, None] * stride_sn + (col0 // GROUP)[None, :]
-        zg = z_ptr + cols[:, None] * stride_sn + (col0 // GROUP)[None, :]
-        if EVEN_K:
-            scale = tl.load(sg)
-        else:  # words past K: scale 0 (their x is 0 too)
-            scale = tl.load(sg, mask=(col0 < K)[None, :], other=0.0)
-        if HAS_ZP:
-            if EVEN_K:
-                zero = tl.load(zg)
-            else:
-                zero = tl.load(zg, mask=(col0 < K)[None, :], other=0)
-            offset = zero.to(tl.float32) + MAGIC_BIAS
-        else:
-            offset = MAGIC_BIAS
+        s1, o1 = _gemv_groups(s_ptr, z_ptr, cols, k + 1, k_end, K, GROUP, stride_sn, offs_kw,
+                              HAS_ZP, BLOCK_K, EVEN_K)
+        x0 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
+        x1 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
+        x2 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
+        x3 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
+        x4 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
+        x5 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
+        x6 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
+        x7 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
+        # q - zero exactly: 2**23 + nibble as a float32, minus 2**23 + 8 + zero; a word's 8
+        # products summed in its thread, then scaled (one multiply per 8 weights)
         t = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
         for j in tl.static_range(8):
-            col = col0 + j
-            if EVEN_K:
-                xv = tl.load(x_ptr + col * stride_xk)
-            else:
-                xv = tl.load(x_ptr + col * stride_xk, mask=col < K, other=0.0)
             qj = ((((words >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
                   - offset)
-            t += xv.to(tl.float32)[None, :] * qj
+            t += xs[j][None, :] * qj
         acc += t * scale
     return tl.sum(acc, axis=1)
 
