@@ -112,11 +112,11 @@ def sweep_templates(M: int) -> list:
 
     bm = min(triton.next_power_of_2(M), 16)
     if M == 1:  # the one-row W4A16 schedule (_gemv_a16): rows, K step, prefetch, warps
-        return [W4Config(1, bn, bk, 1, w, 1, True, prefetch=pf) for bn, bk, pf, w in
-                ((4, 512, 1, 4), (4, 512, 2, 4), (4, 1024, 1, 4), (8, 256, 2, 4),
-                 (8, 512, 1, 4), (8, 512, 2, 4), (8, 1024, 1, 4), (8, 1024, 2, 4),
-                 (8, 512, 1, 2), (16, 256, 1, 4), (16, 256, 2, 4), (16, 512, 1, 4),
-                 (16, 1024, 1, 8), (32, 256, 1, 4))]
+        return [W4Config(1, bn, bk, 1, w, 1, True, prefetch=pf, x_pairs=xp)
+                for bn, bk, pf, w in ((4, 512, 2, 4), (4, 1024, 1, 4), (8, 256, 2, 4),
+                                      (8, 512, 1, 2), (8, 512, 2, 4), (8, 1024, 1, 4),
+                                      (8, 1024, 2, 4), (16, 256, 2, 4))
+                for xp in (False, True)]
     out = [W4Config(bm, bn, 128, 1, w, 1, True) for bn, w in
            ((8, 4), (16, 4), (32, 4), (32, 2), (64, 4))
            if bm == 1 or bm * bn <= 128]  # a step's products are [BM, BN, 128] (1 row: lanes)

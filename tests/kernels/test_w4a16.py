@@ -93,6 +93,8 @@ A16_CASES = {
     "m1_gemv_g32_steps_span_groups_split": (
         1, 40, 512, 32, False, "none", True, True, torch.bfloat16,
         W4Config(1, 16, 128, 3, 4, 1, True, prefetch=2)),
+    "m1_gemv_g64_x_pairs_split": (1, 40, 512, 64, False, "silu", True, True, torch.bfloat16,
+                                  W4Config(1, 8, 128, 3, 4, 1, True, prefetch=1, x_pairs=True)),
     # a last step past K (K = 200 in steps of 64), groups of 40 (a word's group looked up)
     "m1_gemv_g40_k200_uneven": (1, 24, 200, 40, True, "silu", False, False, torch.float32,
                                 W4Config(1, 8, 64, 2, 4, 1, True, prefetch=1)),

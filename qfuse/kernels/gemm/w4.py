@@ -151,9 +151,33 @@ def _gemv_x(x_ptr, k, k_end, K, stride_xk, offs_kw, j: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def _gemv_xpair(xi_ptr, k, k_end, KW, offs_kw, c: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """bf16 x as int32 pairs: word ``4 w + c`` of K step ``k``'s words ``w`` holds x's columns
+    ``8 w + 2 c`` (low half) and ``8 w + 2 c + 1`` (high half); 0 from ``k_end`` on."""
+    w = k * (BLOCK_K // 8) + offs_kw
+    if EVEN_K:
+        mask = (k < k_end) & (w >= 0)
+    else:
+        mask = (k < k_end) & (w < KW)
+    return tl.load(xi_ptr + w * 4 + c, mask=mask, other=0)
+
+
+@triton.jit
+def _bf16_lo(pair):
+    return (pair << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(pair):
+    return (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, stride_xk,
               stride_wn, stride_sn, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+              EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+              X_PAIRS: tl.constexpr):
     """One x row (W4A16, M = 1) against weight rows ``cols`` over K steps
     ``[k_first, k_end)``: float32 [BLOCK_N].
 
@@ -163,7 +187,11 @@ def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, st
     sm_90 TTGIR). A word's group is looked up per word, so a K step may span groups. Every
     load of a step is issued a step ahead (the words ``PREFETCH`` steps ahead): the scales,
     zero points and x of the step being multiplied are already in registers, so no step waits
-    on a load it has just issued."""
+    on a load it has just issued.
+
+    ``X_PAIRS`` (bf16 x, K a multiple of 8, K-contiguous): x read as int32 pairs, half the
+    loads of x (the words' x columns are 16 bytes apart, so each warp's x load touches several
+    cache lines: the suspect of the ~0.5 TB/s an H200 sweep measured)."""
     BKW: tl.constexpr = BLOCK_K // 8
     offs_kw = tl.arange(0, BKW)
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_first * BKW + offs_kw)[None, :]
@@ -174,14 +202,25 @@ def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, st
     s1, o1 = _gemv_groups(s_ptr, z_ptr, cols, k_first, k_end, K, GROUP, stride_sn, offs_kw,
                           HAS_ZP, BLOCK_K, EVEN_K)
     pdl_wait(PDL)  # the weights and scales do not depend on the kernel before; x may
-    x0 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
-    x1 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
-    x2 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
-    x3 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
-    x4 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
-    x5 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
-    x6 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
-    x7 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
+    xi_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    if X_PAIRS:
+        x0 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 0, BLOCK_K, EVEN_K)
+        x1 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 1, BLOCK_K, EVEN_K)
+        x2 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 2, BLOCK_K, EVEN_K)
+        x3 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 3, BLOCK_K, EVEN_K)
+        x4 = x0
+        x5 = x0
+        x6 = x0
+        x7 = x0
+    else:
+        x0 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
+        x1 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
+        x2 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
+        x3 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
+        x4 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
+        x5 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
+        x6 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
+        x7 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
     acc = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
     for k in range(k_first, k_end):
         words, scale, offset = w1, s1, o1
@@ -196,21 +235,34 @@ def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, st
                          EVEN_K, 0)
         s1, o1 = _gemv_groups(s_ptr, z_ptr, cols, k + 1, k_end, K, GROUP, stride_sn, offs_kw,
                               HAS_ZP, BLOCK_K, EVEN_K)
-        x0 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
-        x1 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
-        x2 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
-        x3 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
-        x4 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
-        x5 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
-        x6 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
-        x7 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
+        if X_PAIRS:
+            x0 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 0, BLOCK_K, EVEN_K)
+            x1 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 1, BLOCK_K, EVEN_K)
+            x2 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 2, BLOCK_K, EVEN_K)
+            x3 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 3, BLOCK_K, EVEN_K)
+        else:
+            x0 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
+            x1 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
+            x2 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
+            x3 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
+            x4 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
+            x5 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
+            x6 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
+            x7 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
         # q - zero exactly: 2**23 + nibble as a float32, minus 2**23 + 8 + zero; a word's 8
         # products summed in its thread, then scaled (one multiply per 8 weights)
         t = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
         for j in tl.static_range(8):
             qj = ((((words >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
                   - offset)
-            t += xs[j][None, :] * qj
+            if X_PAIRS:
+                if j % 2 == 0:
+                    xj = _bf16_lo(xs[j // 2])
+                else:
+                    xj = _bf16_hi(xs[j // 2])
+            else:
+                xj = xs[j]
+            t += xj[None, :] * qj
         acc += t * scale
     return tl.sum(acc, axis=1)
 
@@ -368,6 +420,7 @@ def _w4_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    X_PAIRS: tl.constexpr,
 ):
     """x [M, K] (float; W4A8 per token: int8), w int32 [N, KW], s float32 [N, G], z int8
     [N, G] -> out [M, N] (gated: [M, N / 2]). Program ``(pid, s)``: output tile ``pid`` over
@@ -388,7 +441,7 @@ def _w4_kernel(
         row = pid % tl.cdiv(M, BLOCK_M)  # the decode schedule's row block (one row)
         acc = _gemv_a16(x_ptr + row * stride_xm, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP,
                         k_first, k_end, stride_xk, stride_wn, stride_sn, HAS_ZP, BLOCK_K,
-                        EVEN_K, PDL, PREFETCH)[None, :]
+                        EVEN_K, PDL, PREFETCH, X_PAIRS)[None, :]
     else:
         acc = _w4_accumulate(
             x_ptr, w_ptr, s_ptr, z_ptr, x_inv_scale_ptr, offs_m, mask_m, cols, K, KW, GROUP,
@@ -419,7 +472,8 @@ class W4Config:
     weight-streaming schedule, no tensor cores). ``block_k`` is an upper bound: the launch
     shrinks it to a power of two dividing the group size when a row has several groups, except
     for one W4A16 row (``gemv``: scales looked up per word). ``prefetch``: K steps of weights
-    that one W4A16 row's loop loads ahead (1 or 2)."""
+    that one W4A16 row's loop loads ahead (1 or 2); ``x_pairs``: it reads bf16 x as int32
+    pairs."""
 
     block_m: int
     block_n: int
@@ -429,6 +483,7 @@ class W4Config:
     num_stages: int = 2
     decode: bool = True
     prefetch: int = 1
+    x_pairs: bool = False
 
     def gemv(self, act_bits: int) -> bool:
         """The one-row W4A16 schedule (``_gemv_a16``)."""
@@ -436,9 +491,9 @@ class W4Config:
 
 
 DECODE_MAX_M = 16
-# One W4A16 row (``_gemv_a16``): 16 rows x 256 columns a step (8 KB of a program's loads in
-# flight with the prefetch), split-K to ~4 programs per SM. To be tuned on an H200 (w4_chain).
-GEMV = W4Config(1, 16, 256, 1, 4, 1, True, prefetch=2)
+# One W4A16 row (``_gemv_a16``): 8 rows x 1024 columns a step (4 KB), split-K to ~4 programs
+# per SM; among the fastest per role in an H200 sweep (bench/kernels/w4_chain.py --sweep).
+GEMV = W4Config(1, 8, 1024, 1, 4, 1, True, prefetch=1)
 INTERPRETER_SMS = 8  # the interpreter's "GPU": split-K rules see a small one
 
 
@@ -645,6 +700,8 @@ def w4_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=8,
         SPLIT_K=cfg.split_k, DECODE=cfg.decode, EVEN_K=K % bk == 0, PDL=use_pdl,
         PREFETCH=cfg.prefetch,
+        X_PAIRS=cfg.x_pairs and x.dtype == torch.bfloat16 and K % 8 == 0 and x.stride(1) == 1
+        and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if use_pdl:
