@@ -100,7 +100,7 @@ def role_configs(layers: list[Layer4], M: int, template, device) -> dict:
     from qfuse.kernels.gemm.w4 import with_split
 
     L = layers[0]
-    return {r: with_split(template, M, c.weight.shape[0], c.in_features, c.group_size, 16,
+    return {r: with_split(template, M, c.weight.shape[0], c.in_features, c.group_size,
                           torch.device(device))
             for r, c in zip(dc.ROLES, (L.qkv, L.o, L.gate_up, L.down), strict=True)}
 
@@ -111,12 +111,6 @@ def sweep_templates(M: int) -> list:
     from qfuse.kernels.gemm.w4 import W4Config
 
     bm = min(triton.next_power_of_2(M), 16)
-    if M == 1:  # the one-row W4A16 schedule (_gemv_a16): rows, K step, prefetch, warps
-        return [W4Config(1, bn, bk, 1, w, 1, True, prefetch=pf, x_pairs=xp)
-                for bn, bk, pf, w in ((4, 512, 2, 4), (4, 1024, 1, 4), (8, 256, 2, 4),
-                                      (8, 512, 1, 2), (8, 512, 2, 4), (8, 1024, 1, 4),
-                                      (8, 1024, 2, 4), (16, 256, 2, 4))
-                for xp in (False, True)]
     out = [W4Config(bm, bn, 128, 1, w, 1, True) for bn, w in
            ((8, 4), (16, 4), (32, 4), (32, 2), (64, 4))
            if bm == 1 or bm * bn <= 128]  # a step's products are [BM, BN, 128] (1 row: lanes)
@@ -260,7 +254,7 @@ def run(M: int, tiny: bool, device: str, sweep: bool = False, a8: bool = False
         cfg = pick_config(M, c.weight.shape[0], c.in_features, c.group_size, 16,
                           torch.device(device))
         picks[r] = {**dataclasses.asdict(cfg), "step_k": step_k(cfg, c.in_features,
-                                                                 c.group_size, 16)}
+                                                                 c.group_size)}
     base = {"group": layers[0].qkv.group_size, "qkv_rel_err_vs_reference": err, "picks": picks}
     if device == "cpu":
         out = w4_step(layers, h0)

@@ -24,11 +24,7 @@ Two schedules, constexpr ``DECODE``:
   ptxas spill): W4A16 multiplies x in its own dtype by the codes in that dtype (exact:
   |q - zero| <= 15) into a float32 group sum, scaled when the group ends; W4A8 multiplies int8 x
   by the int8 codes into an int32 group sum.
-- ``DECODE`` with one W4A16 row (``_gemv_a16``): the same weight stream in the words' own 2-D
-  layout, groups looked up per word (a K step may span groups), words prefetched one or two
-  steps ahead.
-- ``DECODE`` otherwise (weight streaming as ``decode.py``): no tensor cores, no reshapes; a
-  program owns
+- ``DECODE`` (weight streaming as ``decode.py``): no tensor cores, no reshapes; a program owns
   ``BLOCK_N`` whole weight rows and ``BLOCK_M`` x rows and works in the words' own
   [.., BLOCK_N, BLOCK_K / 8] shape: code ``j`` of every word (a shift and a mask) against x's
   column ``8 w + j`` (eight strided loads of a few-KB x, L1-resident), accumulated lane-wise
@@ -119,165 +115,53 @@ def _nibbles(words, BLOCK_K: tl.constexpr):
     return tl.reshape(_nibbles3(words), (words.shape[0], BLOCK_K))
 
 
-@triton.jit
-def _gemv_groups(s_ptr, z_ptr, cols, k, k_end, K, GROUP, stride_sn, offs_kw,
-                 HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """K step ``k``'s scale and ``2**23 + 8 + zero`` per word [BLOCK_N, BLOCK_K / 8] (zeros
-    from ``k_end`` on; words past K: scale 0, their x is 0 too)."""
-    col0 = k * BLOCK_K + offs_kw * 8
-    at = cols[:, None] * stride_sn + (col0 // GROUP)[None, :]
-    if EVEN_K:
-        mask = (k < k_end) & (col0 >= 0)[None, :]
-    else:
-        mask = (k < k_end) & (col0 < K)[None, :]
-    scale = tl.load(s_ptr + at, mask=mask, other=0.0)
-    if HAS_ZP:
-        offset = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32) + MAGIC_BIAS
-    else:
-        offset = tl.zeros_like(scale) + MAGIC_BIAS
-    return scale, offset
-
-
-@triton.jit
-def _gemv_x(x_ptr, k, k_end, K, stride_xk, offs_kw, j: tl.constexpr, BLOCK_K: tl.constexpr,
-            EVEN_K: tl.constexpr):
-    """x[8 w + j] of K step ``k``'s words ``w``, float32 [BLOCK_K / 8] (0 past K or k_end)."""
-    col = k * BLOCK_K + offs_kw * 8 + j
-    if EVEN_K:
-        mask = (k < k_end) & (col >= 0)
-    else:
-        mask = (k < k_end) & (col < K)
-    return tl.load(x_ptr + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _gemv_xpair(xi_ptr, k, k_end, KW, offs_kw, c: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr):
-    """bf16 x as int32 pairs: word ``4 w + c`` of K step ``k``'s words ``w`` holds x's columns
-    ``8 w + 2 c`` (low half) and ``8 w + 2 c + 1`` (high half); 0 from ``k_end`` on."""
-    w = k * (BLOCK_K // 8) + offs_kw
-    if EVEN_K:
-        mask = (k < k_end) & (w >= 0)
-    else:
-        mask = (k < k_end) & (w < KW)
-    return tl.load(xi_ptr + w * 4 + c, mask=mask, other=0)
-
-
-@triton.jit
-def _bf16_lo(pair):
-    return (pair << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_hi(pair):
-    return (pair & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gemv_a16(x_ptr, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP, k_first, k_end, stride_xk,
-              stride_wn, stride_sn, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-              X_PAIRS: tl.constexpr):
-    """One x row (W4A16, M = 1) against weight rows ``cols`` over K steps
-    ``[k_first, k_end)``: float32 [BLOCK_N].
-
-    Everything lives in the words' own 2-D [BLOCK_N, BLOCK_K / 8] layout, x as a broadcast row
-    of it: the 3-D [rows, columns, words] form of the other decode paths made Triton move every
-    code tile through shared memory (8 layout conversions and barriers a step, read from the
-    sm_90 TTGIR). A word's group is looked up per word, so a K step may span groups. Every
-    load of a step is issued a step ahead (the words ``PREFETCH`` steps ahead): the scales,
-    zero points and x of the step being multiplied are already in registers, so no step waits
-    on a load it has just issued.
-
-    ``X_PAIRS`` (bf16 x, K a multiple of 8, K-contiguous): x read as int32 pairs, half the
-    loads of x (the words' x columns are 16 bytes apart, so each warp's x load touches several
-    cache lines: the suspect of the ~0.5 TB/s an H200 sweep measured)."""
-    BKW: tl.constexpr = BLOCK_K // 8
-    offs_kw = tl.arange(0, BKW)
-    w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_first * BKW + offs_kw)[None, :]
-    w1 = _w_step(w_ptrs, k_first, k_end, offs_kw, KW, BKW, EVEN_K, 0)
-    w2 = w1
-    if PREFETCH > 1:
-        w2 = _w_step(w_ptrs + BKW, k_first + 1, k_end, offs_kw, KW, BKW, EVEN_K, 0)
-    s1, o1 = _gemv_groups(s_ptr, z_ptr, cols, k_first, k_end, K, GROUP, stride_sn, offs_kw,
-                          HAS_ZP, BLOCK_K, EVEN_K)
-    pdl_wait(PDL)  # the weights and scales do not depend on the kernel before; x may
-    xi_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    if X_PAIRS:
-        x0 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 0, BLOCK_K, EVEN_K)
-        x1 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 1, BLOCK_K, EVEN_K)
-        x2 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 2, BLOCK_K, EVEN_K)
-        x3 = _gemv_xpair(xi_ptr, k_first, k_end, KW, offs_kw, 3, BLOCK_K, EVEN_K)
-        x4 = x0
-        x5 = x0
-        x6 = x0
-        x7 = x0
-    else:
-        x0 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
-        x1 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
-        x2 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
-        x3 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
-        x4 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
-        x5 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
-        x6 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
-        x7 = _gemv_x(x_ptr, k_first, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
-    acc = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
-    for k in range(k_first, k_end):
-        words, scale, offset = w1, s1, o1
-        xs = (x0, x1, x2, x3, x4, x5, x6, x7)
-        # the next step's loads first
-        if PREFETCH > 1:
-            w1 = w2
-            w2 = _w_step(w_ptrs + (k - k_first + 2) * BKW, k + 2, k_end, offs_kw, KW, BKW,
-                         EVEN_K, 0)
-        else:
-            w1 = _w_step(w_ptrs + (k - k_first + 1) * BKW, k + 1, k_end, offs_kw, KW, BKW,
-                         EVEN_K, 0)
-        s1, o1 = _gemv_groups(s_ptr, z_ptr, cols, k + 1, k_end, K, GROUP, stride_sn, offs_kw,
-                              HAS_ZP, BLOCK_K, EVEN_K)
-        if X_PAIRS:
-            x0 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 0, BLOCK_K, EVEN_K)
-            x1 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 1, BLOCK_K, EVEN_K)
-            x2 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 2, BLOCK_K, EVEN_K)
-            x3 = _gemv_xpair(xi_ptr, k + 1, k_end, KW, offs_kw, 3, BLOCK_K, EVEN_K)
-        else:
-            x0 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 0, BLOCK_K, EVEN_K)
-            x1 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 1, BLOCK_K, EVEN_K)
-            x2 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 2, BLOCK_K, EVEN_K)
-            x3 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 3, BLOCK_K, EVEN_K)
-            x4 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 4, BLOCK_K, EVEN_K)
-            x5 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 5, BLOCK_K, EVEN_K)
-            x6 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 6, BLOCK_K, EVEN_K)
-            x7 = _gemv_x(x_ptr, k + 1, k_end, K, stride_xk, offs_kw, 7, BLOCK_K, EVEN_K)
-        # q - zero exactly: 2**23 + nibble as a float32, minus 2**23 + 8 + zero; a word's 8
-        # products summed in its thread, then scaled (one multiply per 8 weights)
-        t = tl.zeros((cols.shape[0], BKW), dtype=tl.float32)
-        for j in tl.static_range(8):
-            qj = ((((words >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
-                  - offset)
-            if X_PAIRS:
-                if j % 2 == 0:
-                    xj = _bf16_lo(xs[j // 2])
-                else:
-                    xj = _bf16_hi(xs[j // 2])
-            else:
-                xj = xs[j]
-            t += xj[None, :] * qj
-        acc += t * scale
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _w4_accumulate(
-    x_ptr, w_ptr, s_ptr, z_ptr, x_inv_scale_ptr, offs_m, mask_m, cols, K, KW, GROUP,
-    k_first, k_end, stride_xm, stride_xk, stride_wn, stride_sn,
-    A8: tl.constexpr, X_QUANTIZED: tl.constexpr, HAS_ZP: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr,
+@triton.jit(do_not_specialize=["M"])
+def _w4_kernel(
+    # pointers
+    x_ptr, w_ptr, s_ptr, z_ptr, x_scale_ptr, x_inv_scale_ptr, ones_ptr, bias_ptr, res_ptr,
+    out_ptr, ws_ptr, lock_ptr,
+    # dimensions (KW: words per weight row; GROUP: columns per scale group)
+    M, N, K, KW, GROUP,
+    # strides (the weight's words, scales' and zero points' groups are contiguous)
+    stride_xm, stride_xk, stride_wn, stride_sn, stride_rm, stride_rn, stride_om, stride_on,
+    # meta-parameters: numerics
+    A8: tl.constexpr,
+    X_QUANTIZED: tl.constexpr,
+    X_ROW_SCALE: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_MANT: tl.constexpr,
+    OUT_EMIN: tl.constexpr,
+    EXACT: tl.constexpr,
+    FAST_ACT: tl.constexpr,
+    IEEE: tl.constexpr,
+    # meta-parameters: schedule
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DECODE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] float32 over K steps ``[k_first, k_end)``: the tile schedule and
-    the decode schedule beyond one W4A16 row (W4A8, or 2..4 rows); every K step lies inside
-    one group (``step_k``)."""
+    """x [M, K] (float; W4A8 per token: int8), w int32 [N, KW], s float32 [N, G], z int8
+    [N, G] -> out [M, N] (gated: [M, N / 2]). Program ``(pid, s)``: output tile ``pid`` over
+    the ``s``-th of ``SPLIT_K`` K ranges."""
+    pid = tl.program_id(0)
+    if DECODE:
+        # the row blocks of one column block are neighbours in launch order (W shared in L2)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_n = pid // num_m
+        offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        offs_m, offs_n, _, pid_n = tile_offsets(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    mask_m = offs_m < M
+    cols = tl.where(offs_n < N, offs_n, 0)  # columns past N read row 0; the store drops them
+    k_first, k_end = k_range(K, BLOCK_K, SPLIT_K)
     BKW: tl.constexpr = BLOCK_K // 8
     offs_kw = tl.arange(0, BKW)
     offs_k = tl.arange(0, BLOCK_K)
@@ -385,68 +269,6 @@ def _w4_accumulate(
                     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DECODE and not A8:
         acc = tl.sum(acc3, axis=2)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M"])
-def _w4_kernel(
-    # pointers
-    x_ptr, w_ptr, s_ptr, z_ptr, x_scale_ptr, x_inv_scale_ptr, ones_ptr, bias_ptr, res_ptr,
-    out_ptr, ws_ptr, lock_ptr,
-    # dimensions (KW: words per weight row; GROUP: columns per scale group)
-    M, N, K, KW, GROUP,
-    # strides (the weight's words, scales' and zero points' groups are contiguous)
-    stride_xm, stride_xk, stride_wn, stride_sn, stride_rm, stride_rn, stride_om, stride_on,
-    # meta-parameters: numerics
-    A8: tl.constexpr,
-    X_QUANTIZED: tl.constexpr,
-    X_ROW_SCALE: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    OUT_MANT: tl.constexpr,
-    OUT_EMIN: tl.constexpr,
-    EXACT: tl.constexpr,
-    FAST_ACT: tl.constexpr,
-    IEEE: tl.constexpr,
-    # meta-parameters: schedule
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    DECODE: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    X_PAIRS: tl.constexpr,
-):
-    """x [M, K] (float; W4A8 per token: int8), w int32 [N, KW], s float32 [N, G], z int8
-    [N, G] -> out [M, N] (gated: [M, N / 2]). Program ``(pid, s)``: output tile ``pid`` over
-    the ``s``-th of ``SPLIT_K`` K ranges."""
-    pid = tl.program_id(0)
-    if DECODE:
-        # the row blocks of one column block are neighbours in launch order (W shared in L2)
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid_n = pid // num_m
-        offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    else:
-        offs_m, offs_n, _, pid_n = tile_offsets(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    mask_m = offs_m < M
-    cols = tl.where(offs_n < N, offs_n, 0)  # columns past N read row 0; the store drops them
-    k_first, k_end = k_range(K, BLOCK_K, SPLIT_K)
-    if DECODE and (not A8) and BLOCK_M == 1:
-        row = pid % tl.cdiv(M, BLOCK_M)  # the decode schedule's row block (one row)
-        acc = _gemv_a16(x_ptr + row * stride_xm, w_ptr, s_ptr, z_ptr, cols, K, KW, GROUP,
-                        k_first, k_end, stride_xk, stride_wn, stride_sn, HAS_ZP, BLOCK_K,
-                        EVEN_K, PDL, PREFETCH, X_PAIRS)[None, :]
-    else:
-        acc = _w4_accumulate(
-            x_ptr, w_ptr, s_ptr, z_ptr, x_inv_scale_ptr, offs_m, mask_m, cols, K, KW, GROUP,
-            k_first, k_end, stride_xm, stride_xk, stride_wn, stride_sn,
-            A8, X_QUANTIZED, HAS_ZP, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, EVEN_K, PDL)
     # ---- split-K: park the partial sum; the tile's last program reduces and goes on ----
     is_last = True
     if SPLIT_K > 1:
@@ -470,10 +292,7 @@ def _w4_kernel(
 class W4Config:
     """A schedule of ``_w4_kernel``: tile sizes, split-K, warps, stages, and ``decode`` (the
     weight-streaming schedule, no tensor cores). ``block_k`` is an upper bound: the launch
-    shrinks it to a power of two dividing the group size when a row has several groups, except
-    for one W4A16 row (``gemv``: scales looked up per word). ``prefetch``: K steps of weights
-    that one W4A16 row's loop loads ahead (1 or 2); ``x_pairs``: it reads bf16 x as int32
-    pairs."""
+    shrinks it to a power of two dividing the group size when a row has several groups."""
 
     block_m: int
     block_n: int
@@ -482,18 +301,9 @@ class W4Config:
     num_warps: int = 4
     num_stages: int = 2
     decode: bool = True
-    prefetch: int = 1
-    x_pairs: bool = False
-
-    def gemv(self, act_bits: int) -> bool:
-        """The one-row W4A16 schedule (``_gemv_a16``)."""
-        return self.decode and self.block_m == 1 and act_bits == 16
 
 
 DECODE_MAX_M = 16
-# One W4A16 row (``_gemv_a16``): 8 rows x 1024 columns a step (4 KB), split-K to ~4 programs
-# per SM; among the fastest per role in an H200 sweep (bench/kernels/w4_chain.py --sweep).
-GEMV = W4Config(1, 8, 1024, 1, 4, 1, True, prefetch=1)
 INTERPRETER_SMS = 8  # the interpreter's "GPU": split-K rules see a small one
 
 
@@ -501,12 +311,11 @@ def _pow2_divisor(n: int) -> int:
     return n & -n
 
 
-def step_k(cfg: W4Config, K: int, group_size: int | None, act_bits: int) -> int:
+def step_k(cfg: W4Config, K: int, group_size: int | None) -> int:
     """The K step a launch uses: ``cfg.block_k``, shrunk to divide the group size when a row
-    has several groups (4-bit group sizes are multiples of 8, so at least 8); one W4A16 row
-    (``gemv``) looks its groups up per word and keeps ``block_k``."""
+    has several groups (4-bit group sizes are multiples of 8, so at least 8)."""
     bk = cfg.block_k
-    if group_size is not None and group_size < K and not cfg.gemv(act_bits):
+    if group_size is not None and group_size < K:
         bk = min(bk, _pow2_divisor(group_size))
     return bk
 
@@ -525,9 +334,8 @@ def _split(tiles: int, k_steps: int, group_steps: int, sms: int, per_sm: int) ->
 
 def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
                 device: torch.device, sms: int | None = None) -> W4Config:
-    """The schedule for an [M, K] x [N, K] 4-bit GEMM (defaults for an H100/H200):
+    """The schedule for an [M, K] x [N, K] 4-bit GEMM (defaults for an H100/H200, untuned):
 
-    - one W4A16 row: ``GEMV`` (``_gemv_a16``), split-K to ~4 programs per SM;
     - weight streaming (``decode``) for M <= 4 (W4A16) or M <= 16 (W4A8, whose dp4a path costs
       ~2 instructions per 8 codes and row): K steps of 128 columns (64 bytes of a row; g64 halves
       them), 32 weight rows per program (16 for 2..4 rows of W4A16, and beyond 4 rows of W4A8,
@@ -544,9 +352,7 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
     ``GPUTarget``), none spilling: decode M = 1 32x128 80, W4A8 decode 16x16x128 168, tiles
     16x64x128 108, 32x64x128/8 warps 170, 64x64x64/8 warps 168."""
     bm = min(triton.next_power_of_2(max(M, 1)), 16)
-    if M == 1 and act_bits == 16:
-        cfg = GEMV
-    elif M <= (DECODE_MAX_M if act_bits == 8 else 4):
+    if M <= (DECODE_MAX_M if act_bits == 8 else 4):
         # W4A16 sums each step's [BM, BN, BK] products (one row: lane-wise): 16 rows for 2..4
         cfg = W4Config(bm, 32 if bm <= (4 if act_bits == 8 else 1) else 16, 128, 1, 4, 1,
                        True)
@@ -555,10 +361,10 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
     else:
         cfg = W4Config(32, 64, 128, 1, 8, 3, False) if M <= 32 else \
             W4Config(64, 64, 64, 1, 8, 3, False)
-    return with_split(cfg, M, N, K, group_size, act_bits, device, sms)
+    return with_split(cfg, M, N, K, group_size, device, sms)
 
 
-def with_split(cfg: W4Config, M: int, N: int, K: int, group_size: int | None, act_bits: int,
+def with_split(cfg: W4Config, M: int, N: int, K: int, group_size: int | None,
                device: torch.device, sms: int | None = None) -> W4Config:
     """``cfg`` with the split-K that fills the GPU (``sms`` multiprocessors: the device's by
     default): ~4 programs per SM for the decode schedule, 2 for tiles up to M = 16, 1 beyond
@@ -572,11 +378,9 @@ def with_split(cfg: W4Config, M: int, N: int, K: int, group_size: int | None, ac
     else:
         sms = INTERPRETER_SMS
     per_sm = 4 if cfg.decode else (2 if M <= DECODE_MAX_M else 1)
-    bk = step_k(cfg, K, group_size, act_bits)
+    bk = step_k(cfg, K, group_size)
     k_steps = -(-K // bk)
     group_steps = group_size // bk if group_size is not None and group_size < K else k_steps
-    if cfg.gemv(act_bits):  # groups looked up per word: a split may end anywhere
-        group_steps = k_steps
     tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     return dataclasses.replace(cfg, split_k=_split(tiles, k_steps, group_steps, sms, per_sm))
 
@@ -646,12 +450,12 @@ def w4_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if M == 0:
         return out, None, {}, {}
     cfg = config or pick_config(M, N, K, group_size, act_bits, x.device)
-    bk = step_k(cfg, K, group_size, act_bits)
+    bk = step_k(cfg, K, group_size)
     if config is None and not cfg.decode and x.dtype == torch.float32 and act_bits == 16:
         # an IEEE float32 dot runs on CUDA-core FMAs: a 64x64 tile spilled ~10 KB (ptxas)
         cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 32),
                                   block_n=min(cfg.block_n, 32), block_k=min(cfg.block_k, 32))
-        bk = step_k(cfg, K, group_size, act_bits)
+        bk = step_k(cfg, K, group_size)
     if not cfg.decode and bk < (32 if act_bits == 8 else 16):
         # groups of 8 or 24 columns (a K step of 8) are below a tensor-core dot's K: the
         # CUDA-core schedule serves them
@@ -699,9 +503,6 @@ def w4_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         EXACT=INTERPRETED, FAST_ACT=False, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=8,
         SPLIT_K=cfg.split_k, DECODE=cfg.decode, EVEN_K=K % bk == 0, PDL=use_pdl,
-        PREFETCH=cfg.prefetch,
-        X_PAIRS=cfg.x_pairs and x.dtype == torch.bfloat16 and K % 8 == 0 and x.stride(1) == 1
-        and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if use_pdl:
