@@ -141,7 +141,8 @@ def test_pick_config_buckets():
     cpu = torch.device("cpu")
     dec = pick_config(1, 2560, 2048, 128, 16, cpu)
     assert dec.decode and dec.block_m == 1 and step_k(dec, 2048, 128) == 128
-    assert pick_config(16, 2048, 2048, 128, 8, cpu).decode  # W4A8: dp4a up to 16 rows
+    assert pick_config(4, 2048, 2048, 128, 8, cpu).decode  # W4A8: dp4a up to 4 rows
+    assert not pick_config(16, 2048, 2048, 128, 8, cpu).decode  # then the int8 MMA
     assert not pick_config(16, 2048, 2048, 128, 16, cpu).decode  # W4A16: the MMA from 5 rows
     tile = pick_config(128, 2048, 2048, 128, 16, cpu)
     assert not tile.decode and (tile.block_m, tile.block_n, tile.block_k) == (64, 64, 64)

@@ -336,10 +336,9 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
                 device: torch.device, sms: int | None = None) -> W4Config:
     """The schedule for an [M, K] x [N, K] 4-bit GEMM (defaults for an H100/H200, untuned):
 
-    - weight streaming (``decode``) for M <= 4 (W4A16) or M <= 16 (W4A8, whose dp4a path costs
-      ~2 instructions per 8 codes and row): K steps of 128 columns (64 bytes of a row; g64 halves
-      them), 32 weight rows per program (16 for 2..4 rows of W4A16, and beyond 4 rows of W4A8,
-      whose per-step registers grow with rows x columns), so that a step's
+    - weight streaming (``decode``) for M <= 4: K steps of 128 columns (64 bytes of a row; g64
+      halves them), 32 weight rows per program (16 for 2..4 rows of W4A16, whose per-step
+      registers grow with rows x columns), so that a step's
       [BLOCK_N, BLOCK_K / 8] words give each of the 128 threads a 16-byte load; split-K to ~4
       programs per SM;
     - tensor-core tiles otherwise: 16x64x128 with 4 warps up to M = 16 (a weight stream
@@ -352,8 +351,10 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, act_bits: int,
     ``GPUTarget``), none spilling: decode M = 1 32x128 80, W4A8 decode 16x16x128 168, tiles
     16x64x128 108, 32x64x128/8 warps 170, 64x64x64/8 warps 168."""
     bm = min(triton.next_power_of_2(max(M, 1)), 16)
-    if M <= (DECODE_MAX_M if act_bits == 8 else 4):
-        # W4A16 sums each step's [BM, BN, BK] products (one row: lane-wise): 16 rows for 2..4
+    if M <= 4:
+        # W4A16 sums each step's [BM, BN, BK] products (one row: lane-wise): 16 rows for 2..4.
+        # W4A8 stops at 4 rows too: its 16-row decode took 5031 us for TinyLlama's 88 GEMMs on
+        # an H200, 6x int8 (bench/results/current/h200/w4_chain.json)
         cfg = W4Config(bm, 32 if bm <= (4 if act_bits == 8 else 1) else 16, 128, 1, 4, 1,
                        True)
     elif M <= DECODE_MAX_M:
