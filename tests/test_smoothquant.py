@@ -62,7 +62,8 @@ def test_alpha_out_of_range_is_rejected():
 
 
 # Llama: RMSNorm (exported as elementwise ops) feeds Q/K/V and gate/up; SmoothQuant's default
-# selection finds it with the norm fusion's matcher and folds s into the norm's weight.
+# selection finds it with the norm fusion's matcher and folds s into the norm's weight (and
+# down_proj's into up_proj's rows: tests/test_fold_producers.py).
 def _llama(merge_siblings: bool):
     pytest.importorskip("transformers")
     from tests.zoo_models import _tokens, llama
@@ -103,10 +104,10 @@ def test_default_selection_on_llama_smooths_what_rmsnorm_feeds(llama_merged, lla
     assert merged == [
         f"{p}.{m}"
         for p in layers
-        for m in ("self_attn.q_proj_k_proj_v_proj", "mlp.gate_proj_up_proj")
+        for m in ("self_attn.q_proj_k_proj_v_proj", "mlp.gate_proj_up_proj", "mlp.down_proj")
     ]
     unmerged = get_state(llama_unmerged[1]).smoothed
-    each = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    each = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
     assert sorted(unmerged) == sorted(
         f"{p}.{'self_attn' if m[0] in 'qkv' else 'mlp'}.{m}" for p in layers for m in each
     )
@@ -117,7 +118,8 @@ def test_folding_into_rmsnorm_is_an_equivalence_in_float(merged, llama_merged, l
     model, prepared, x = llama_merged if merged else llama_unmerged
     smoothed, plan = planned_float(prepared)
     state = get_state(prepared)
-    assert {plan.folded_into[n] for n in state.smoothed} == {"RMSNorm weight"}
+    assert {plan.folded_into[n] for n in state.smoothed if "down" not in n} == {"RMSNorm weight"}
+    assert {plan.folded_into[n] for n in state.smoothed if "down" in n} == {"up_proj rows"}
     assert not plan.prologue and len(plan.norm_weights) == 4  # 2 norms in each of 2 layers
     norm = model.model.layers[0].input_layernorm.weight
     folded = plan.norm_weights["model.layers.0.input_layernorm.weight"]
@@ -136,6 +138,10 @@ def test_int8_static_smoothquant_on_llama_converts_and_runs(llama_merged):
     graph, swapped = qfuse.convert(prepared), qfuse.convert(prepared, output="model")
     rows = {r["name"]: r for r in qfuse.summary(graph).rows}
     for name in get_state(prepared).smoothed:
+        if name.endswith("down_proj"):  # handed int8 by the gate/up GEMM, no prologue vector
+            assert rows[name]["note"] == "SmoothQuant alpha=0.5 (folded into up_proj rows)"
+            assert graph.get_submodule(name).x_inv_scale.numel() == 1
+            continue
         assert rows[name]["note"] == "SmoothQuant alpha=0.5 (folded into RMSNorm weight)"
         assert rows[name]["input"].startswith("int8 from RMSNorm")  # the norm fusion still applies
         assert graph.get_submodule(name).x_inv_scale.numel() == 1  # no prologue vector

@@ -20,14 +20,15 @@ both ends of their range); the weights are clamped there, so round-to-nearest an
 the clipped range.
 
 Where ``x / s`` goes is SmoothQuant's folding (``qfuse.flows.plan.fold_norms`` and
-``apply_factors``): into an RMSNorm weight that only AWQ layers read, or into the rows of a
-producer Linear only this layer reads. Inputs with neither (o_proj after attention, down_proj
-after the SwiGLU product: 4-bit layers have no prologue to apply a vector in) are not scaled,
-only clipped; the peers' v -> o and up -> down scalings need a fold through the attention and
-the gated product, which this machinery does not do. The error measured is each layer's own
-output, not the whole attention / MLP block's as llm-awq measures it. GPTQ composes: it runs
-after AWQ on the scaled, clipped weights, with the Hessian of ``x / s``; SmoothQuant before
-AWQ multiplies its factors onto AWQ's (``apply_factors``).
+``apply_factors``): into an RMSNorm weight that only AWQ layers read, into the rows of a
+producer Linear only this layer reads, or into the ``up`` rows behind a gated product
+(``down_proj``) or the ``v`` rows behind an attention (``o_proj``; with GQA the query heads of
+one ``v`` row share a factor), the peers' ``up -> down`` and ``v -> o`` mappings
+(``qfuse.algorithms.row_folds``), when ``up`` / ``v`` is quantized. Inputs with none of these
+(4-bit layers have no prologue to apply a vector in) are not scaled, only clipped. The error
+measured is each layer's own output, not the whole attention / MLP block's as llm-awq measures
+it. GPTQ composes: it runs after AWQ on the scaled, clipped weights, with the Hessian of
+``x / s``; SmoothQuant before AWQ multiplies its factors onto AWQ's (``apply_factors``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from qfuse import int4
+from qfuse.algorithms.row_folds import tie
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.fusion.patterns import Chain
 from qfuse.observers.samples import InputSamples
@@ -178,13 +180,16 @@ def weight_mean(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return normed.reshape(weight.shape[0], -1)[:, :k].mean(0)
 
 
-def candidate(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
+def candidate(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float,
+              fold_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The factors ``s`` of one ``ratio``: ``x_mean^ratio`` (over ``w_mean^(1 - ratio)`` when
-    given), clamped to 1e-4 and normalised so that ``max(s) * min(s) = 1``."""
+    given), clamped to 1e-4 and normalised so that ``max(s) * min(s) = 1``. ``fold_rows``: a
+    ``RowFold``'s rows; channels folding into one row take their group's largest factor
+    (``tie``)."""
     s = x_mean.float().pow(ratio)
     if w_mean is not None:
         s = s / (w_mean.float().pow(1.0 - ratio) + 1e-4)
-    s = s.clamp(min=1e-4)
+    s = tie(s.clamp(min=1e-4), fold_rows)
     return s / (s.max() * s.min()).sqrt()
 
 
@@ -199,11 +204,13 @@ def search_scale(
     grid: int = 20,
     duo_scaling: bool = True,
     act=None,
+    fold_rows: torch.Tensor | None = None,
 ) -> tuple[float | None, torch.Tensor | None, float]:
     """(ratio, s, error) for one input whose readers' weights, stacked, are ``weight`` [N, K]:
     the candidate ``s`` with the least ``|x W^T - act(x / s) Q(W s)^T|^2`` over ``rows`` [n, K]
     (``act``: the activation rounding of ``x / s``, None for float activations); ``(None, None,
-    error)`` when no candidate beats ``s = 1`` (plain round-to-nearest).
+    error)`` when no candidate beats ``s = 1`` (plain round-to-nearest). ``fold_rows``: the
+    fold's (``candidate``).
 
     Example:
         >>> import torch
@@ -231,7 +238,7 @@ def search_scale(
     w_mean = weight_mean(weight, group_size) if duo_scaling else None
     for i in range(grid):
         ratio = i / grid
-        s = candidate(x_mean, w_mean, ratio)
+        s = candidate(x_mean, w_mean, ratio, fold_rows)
         err = error(s)
         if err < best[0]:
             best = (err, ratio, s)

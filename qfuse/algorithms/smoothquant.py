@@ -12,10 +12,16 @@ Where ``x / s`` is applied:
   RMSNorm has no bias), with one ``s`` for all its readers (Q, K, V; gate, up) from their
   weights' joint column max, as the paper does; convert writes the folded weight
   (``LayerPlan.write_norm_weights``) and the norm fusion then still applies;
+- input a gated product ``act(gate(x)) * up(x)`` (Llama's ``down_proj``) or an attention output
+  (``o_proj``) read only by this layer: folded into ``up``'s (``v``'s) weight rows and bias
+  (``qfuse.algorithms.row_folds``: in a merged gate/up layer the odd rows; with grouped-query
+  attention the query heads of one ``v`` row share a factor). llm-compressor maps
+  ``up_proj -> down_proj`` and, in AWQ, ``v_proj -> o_proj`` the same way; the default
+  selection takes ``down_proj`` (not ``o_proj``, as llm-compressor's SmoothQuant);
 - anything else (a LayerNorm, whose output in post-LN BERT also feeds the residual add, so the
-  LayerNorm itself must not change; a SwiGLU product feeding ``down_proj``): the fused kernel's
-  prologue quantizes with a per-input-channel vector ``(1/s_j) * (1/scale)`` instead of one
-  scalar — the same multiply, no extra pass.
+  LayerNorm itself must not change): the fused kernel's prologue quantizes with a
+  per-input-channel vector ``(1/s_j) * (1/scale)`` instead of one scalar — the same multiply,
+  no extra pass.
 
 ``search=True`` picks, per input (a group of layers reading one value: Q/K/V, gate/up), the
 migration strength from ``ALPHAS`` (or none) and, for static activations, the clip of the
@@ -32,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from qfuse.algorithms.row_folds import read_only_through, source, tie, up_rows
 from qfuse.fusion.norm_quant import match_rms_norm
-from qfuse.fusion.patterns import Chain, is_eval_identity
+from qfuse.fusion.patterns import Chain
 from qfuse.primitives import choose_qparams
 
 aten = torch.ops.aten
@@ -43,10 +50,11 @@ aten = torch.ops.aten
 class SmoothQuant:
     """``alpha``: migration strength (0: none, 1: all to weights; 0.5 is the paper's default).
     ``layers``: globs of Linear layer names to smooth; ``None`` smooths Linear layers fed by a
-    LayerNorm, an RMSNorm or directly by another Linear (the cases the paper targets), and with
-    ``search`` every Linear. ``search``: per input, the alpha (``ALPHAS``, or no smoothing) and
-    the static activation clip (``CLIPS``) with the least output error on calibration rows;
-    ``alpha`` is then unused.
+    LayerNorm, an RMSNorm, directly by another Linear (the cases the paper targets) or by a
+    gated product whose ``up`` Linear takes the factors (``up_rows``; such a layer is left
+    unsmoothed where ``up`` stays float), and with ``search`` every Linear. ``search``: per
+    input, the alpha (``ALPHAS``, or no smoothing) and the static activation clip (``CLIPS``)
+    with the least output error on calibration rows; ``alpha`` is then unused.
 
     Example:
         >>> import qfuse
@@ -69,13 +77,6 @@ class SmoothQuant:
             raise UnsupportedError(f"SmoothQuant search={self.search!r}: pass True or False.")
 
 
-def _source(node: fx.Node) -> fx.Node:
-    """Step back through eval-mode identities (dropout) to the node that computes the value."""
-    while is_eval_identity(node):
-        node = node.args[0]
-    return node
-
-
 def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[str]:
     """Names of the Linear chains to smooth; ``UnsupportedError`` when a glob of ``cfg.layers``
     matches no Linear or no layer is eligible (smoothing nothing would be a silent no-op)."""
@@ -96,9 +97,10 @@ def select(gm: fx.GraphModule, chains: list[Chain], cfg: SmoothQuant) -> list[st
             if any(fnmatch.fnmatchcase(chain.name, g) for g in cfg.layers):
                 picked.append(chain.name)
             continue
-        src = _source(nodes[chain.input])
+        src = source(nodes[chain.input])
         norm = src.target == aten.layer_norm.default or match_rms_norm(src) is not None
-        if norm or src.name in linear_outputs or cfg.search:
+        gated = up_rows(nodes, chain.input, None, chains) is not None
+        if norm or src.name in linear_outputs or gated or cfg.search:
             picked.append(chain.name)
     if not picked:
         raise UnsupportedError(
@@ -119,31 +121,23 @@ def foldable_norm(
     model's observer of it, which the readers read through) and nothing else reads its weight.
     None otherwise (the readers then take ``x / s`` in their prologue)."""
     node = nodes[input_name]
-    src = _source(node)
+    src = source(node)
     norm = match_rms_norm(src)
     if norm is None or not readers or any(r.name not in smoothed for r in readers):
         return None
     weight = norm[1]
-    if len(weight.users) != 1:
-        return None
-    step = src
-    while step is not node:  # src -> eval identities -> node: each read by the next only
-        if len(step.users) != 1:
-            return None
-        step = next(iter(step.users))
-    users = list(node.users)
-    if len(users) != 1 or users[0].op != "call_module":
-        return None
-    if node.graph.owning_module.get_submodule(users[0].target) is not observer:
+    if len(weight.users) != 1 or not read_only_through(src, node, observer):
         return None
     return weight
 
 
-def factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+def factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float,
+            fold_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per-input-channel smoothing factors s (float32, > 0); channels that are zero in either the
-    activations or the weights get s = 1 (nothing to migrate)."""
-    w_absmax = weight.detach().float().abs().amax(dim=0)
-    a = act_absmax.float()
+    activations or the weights get s = 1 (nothing to migrate). ``fold_rows``: a ``RowFold``'s
+    rows; the channels sharing a producer row get one factor, from their joint maxima (``tie``)."""
+    w_absmax = tie(weight.detach().float().abs().amax(dim=0), fold_rows)
+    a = tie(act_absmax.float(), fold_rows)
     s = a.pow(alpha) / w_absmax.pow(1.0 - alpha)
     ok = (a > 0) & (w_absmax > 0) & torch.isfinite(s)
     return torch.where(ok, s, torch.ones_like(s)).clamp(min=1e-5).to(torch.float32)
@@ -195,6 +189,7 @@ def search(
     symmetric: bool,
     per_channel: bool,
     smooth: bool,
+    fold_rows: torch.Tensor | None = None,
 ) -> tuple[float | None, float]:
     """(alpha, clip) for one input read by layers whose weights, stacked, are ``weight``
     [N, K]: the candidate with the least error of ``Q(x / s) Q(W s)^T`` against ``x W^T`` over
@@ -203,7 +198,7 @@ def search(
     large outputs carry what the model relies on (on SmolLM2 a per-row relative error picks
     clips that cut the sinks, +150% perplexity, where the plain error gives +5%). ``smooth``
     False: only s = 1 (the input cannot take a factor). Dynamic (``static`` False): per-row
-    scales, no clip.
+    scales, no clip. ``fold_rows``: a ``RowFold``'s rows; channels sharing one get one factor.
 
     Example:
         >>> import torch
@@ -226,7 +221,7 @@ def search(
     absmax = torch.maximum(lo.abs(), hi.abs()).float()
     best = (float("inf"), None, 1.0)
     for alpha in ALPHAS if smooth else (None,):
-        s = None if alpha is None else factors(absmax, full, alpha)
+        s = None if alpha is None else factors(absmax, full, alpha, fold_rows)
         xs = rows if s is None else rows / s
         ws = weight if s is None else weight * s
         wq = _fake_weight(ws, dtype, per_channel)

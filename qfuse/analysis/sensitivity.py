@@ -320,12 +320,8 @@ def _local(prepared, state, batches: list, layers, quiet: bool) -> SensitivityRe
     plan = LayerPlan(prepared, state, state.chains, state.observers, dtypes, hessians,
                      fold_norms=True)
     per_channel = isinstance(state.config.weight_granularity, PerChannel)
-    # a SmoothQuant factor folded into a producer Linear divides that producer's outputs
-    unfold = {}
-    for c in state.chains:
-        if plan.folded_into.get(c.name) == "producer":
-            producer = next(p for p in state.chains if p.output == c.input)
-            unfold[producer.name] = plan.smoothing[c.name]
+    # a SmoothQuant factor folded into a Linear's rows (a producer's, up's) divides its outputs
+    unfold = plan.row_divisors
     rows = []
     for chain in progress(chains, "sensitivity (local)", quiet):
         x = inputs.get(chain.input)

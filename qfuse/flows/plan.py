@@ -2,11 +2,12 @@
 
 ``LayerPlan`` starts from what calibration gives: each chain's float weight and bias and its
 input qparams from its observer. Algorithms are transforms (``apply(plan)``) run in order over
-it: SmoothQuant (factors from the observers, folded into the producer Linear or RMSNorm, or
-kept as a prologue vector), AWQ (searched factors folded the same way, weight clips), GPTQ
-(rounds the weights that ship, against the plain per-channel scale), and those the state
-carries (QAT's learned scales: ``qfuse.flows.qat.lower``). convert, the module swap and QAT's
-PTQ carry-over read the same plan.
+it: SmoothQuant (factors from the observers, folded into the producer Linear, the ``up`` / ``v``
+rows behind a gated product / attention or an RMSNorm, or kept as a prologue vector), AWQ
+(searched factors folded the same way, weight clips), GPTQ (rounds the weights that ship,
+against the plain per-channel scale), and those the state carries (QAT's learned scales:
+``qfuse.flows.qat.lower``). convert, the module swap and QAT's PTQ carry-over read the same
+plan.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from torch import nn
 
 from qfuse.algorithms.awq import AWQ, AWQSamples, search_clip, search_scale
 from qfuse.algorithms.gptq import round_layer, round_layer4
+from qfuse.algorithms.row_folds import RowFold, row_fold, up_rows
 from qfuse.algorithms.smoothquant import factors, foldable_norm, search, smoothed_qparams
 from qfuse.config import PerChannel
 from qfuse.errors import CalibrationError, QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
+from qfuse.fusion.siblings import merged_path
 from qfuse.ops.reference import quantize_per_token
 from qfuse.primitives import choose_qparams, fake_quantize, inverse, weight_scale
 from qfuse.progress import progress
@@ -63,6 +66,10 @@ class LayerPlan:
         self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
         self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
         self.folded_into = {}  # chain name -> where SmoothQuant folded x / s ("producer", ...)
+        # producer chain name -> what its weight rows were divided by (1 for rows not folded
+        # into): its outputs are its float outputs over this (qfuse.sensitivity undoes it)
+        self.row_divisors = {}
+        self.merged = {merged_path(g): g for g in getattr(state, "merged", [])}
         self.norm_weights = {}  # get_attr target of an RMSNorm weight -> its folded value w / s
         self.weight_scales = {}  # chain name -> the scale the weight was rounded against
         self.searched = {}  # chain name -> (alpha, clip) SmoothQuant's search chose
@@ -90,8 +97,22 @@ class LayerPlan:
             return f"SmoothQuant search: {what}, activation clip {clip:g}{where}"
         return f"SmoothQuant alpha={smoothquant.alpha} ({self.where_smoothed(name)})"
 
+    def row_fold(self, chain: Chain, chains: list[Chain]) -> RowFold | None:
+        """The ``up`` rows behind a gated product or the ``v`` rows behind an attention
+        (``algorithms.row_folds``) a factor of ``chain``'s input folds into, when the Linear
+        owning them is in this plan (quantized: convert writes its weights); ``chains``: every
+        chain of the prepared model. None otherwise."""
+        observer = self.observers.get(chain.input)
+        if observer is None:
+            return None
+        nodes = {n.name: n for n in self.gm.graph.nodes}
+        fold = row_fold(nodes, chain.input, observer, list(chains) or self.chains, self.merged)
+        return fold if fold is not None and fold.producer in self.weights else None
+
     def where_smoothed(self, name: str) -> str:
-        if name in self.prologue and name in self.smoothing:
+        if name not in self.smoothing:
+            return "not smoothed: " + self.folded_into.get(name, "no fold target")
+        if name in self.prologue:
             return "prologue"
         return "folded into " + self.folded_into.get(name, "producer")
 
@@ -146,12 +167,13 @@ def fold_norms(plan: LayerPlan, chains: list[Chain], selected: set[str]) -> dict
     return norms
 
 
-def apply_factors(plan: LayerPlan, chain: Chain, s: torch.Tensor, norm, producer: Chain | None,
-                  lo: torch.Tensor, hi: torch.Tensor) -> None:
+def apply_factors(plan: LayerPlan, chain: Chain, s: torch.Tensor, norm,
+                  producer: Chain | RowFold | None, lo: torch.Tensor, hi: torch.Tensor) -> None:
     """Layer ``chain`` sees ``x / s``: its weight columns times ``s``, and ``x / s`` folded into
     the RMSNorm weight ``norm`` (a get_attr node; every reader of the norm takes the same ``s``),
-    else into the rows of ``producer`` (a Linear only this layer reads), else into the layer's
-    prologue. Factors compose: a second call (AWQ after SmoothQuant) multiplies onto the first.
+    else into the rows of ``producer`` (a Linear only this layer reads, or a ``RowFold``: the
+    rows of ``up`` / ``v`` behind a gated product / attention), else into the layer's prologue.
+    Factors compose: a second call (AWQ after SmoothQuant) multiplies onto the first.
     ``lo``, ``hi``: the input's per-channel range (already clipped), for its per-tensor qparams."""
     name = chain.name
     prev = plan.smoothing.get(name)
@@ -164,19 +186,28 @@ def apply_factors(plan: LayerPlan, chain: Chain, s: torch.Tensor, norm, producer
         plan.norm_weights[norm.target] = (w.float() / total).to(w.dtype)
         plan.folded_into[name] = "RMSNorm weight"
     elif producer is not None:
-        plan.weights[producer.name] = plan.weights[producer.name] / s[:, None]
-        if plan.biases[producer.name] is not None:
-            plan.biases[producer.name] = plan.biases[producer.name] / s
-        plan.folded_into[name] = "producer"
+        fold = producer if isinstance(producer, RowFold) else None
+        owner = fold.producer if fold else producer.name
+        divisor = torch.ones(plan.weights[owner].shape[0])
+        divisor[fold.rows if fold else slice(None)] = s
+        plan.weights[owner] = plan.weights[owner] / divisor[:, None]
+        if plan.biases[owner] is not None:
+            plan.biases[owner] = plan.biases[owner] / divisor
+        prev_rows = plan.row_divisors.get(owner)
+        plan.row_divisors[owner] = divisor if prev_rows is None else prev_rows * divisor
+        plan.folded_into[name] = f"{fold.member} rows" if fold else "producer"
     else:
         plan.prologue[name] = (inverse(total) * inverse(plan.x_qparams[name][0])).float()
 
 
 class SmoothQuantTransform:
     """SmoothQuant over the layers ``qfuse.prepare`` selected: each gets factors ``s`` from its
-    per-channel input range; ``x / s`` is folded into a producer Linear that only it reads, or
-    into an RMSNorm that only smoothed layers read (one ``s`` for all of them, ``fold_norms``),
-    otherwise applied in the layer's prologue."""
+    per-channel input range; ``x / s`` is folded into a producer Linear that only it reads, into
+    the ``up`` / ``v`` rows behind a gated product / attention only it reads
+    (``LayerPlan.row_fold``; with GQA the query heads of a ``v`` row share one factor), or into
+    an RMSNorm that only smoothed layers read (one ``s`` for all of them, ``fold_norms``),
+    otherwise applied in the layer's prologue. A layer the default selection took only for its
+    ``up`` fold stays unsmoothed where that fold is not there (``up`` kept float)."""
 
     def __init__(self, smoothquant, smoothed: list[str], chains: list[Chain] = (),
                  config=None) -> None:
@@ -215,20 +246,28 @@ class SmoothQuantTransform:
             producer = next((c for c in plan.chains if c.output == chain.input), None)
             folds = producer is not None and len(producer.nodes) == 1 and len(
                 readers[chain.input]) == 1
+            rows = None if norm is not None or folds else plan.row_fold(chain, self.chains)
+            if rows is not None:
+                producer, folds = rows, True
+            elif norm is None and not folds and self._for_fold_only(plan, chain):
+                plan.folded_into[name] = "its up Linear is not quantized (no fold target)"
+                continue
             clip = 1.0
             if self.smoothquant.search:
                 if chain.input not in shared:
                     group = [r for r in readers[chain.input] if r.name in smoothed]
                     shared[chain.input] = self._search(plan, chain, group, lo, hi, absmax,
-                                                       smooth=norm is not None or folds)
+                                                       smooth=norm is not None or folds,
+                                                       rows=rows.rows if rows else None)
                 s, clip, alpha = shared[chain.input]
                 plan.searched[name] = (alpha, clip)
                 if s is None:  # no smoothing: the clipped per-tensor range alone
                     plan.x_qparams[name] = choose_qparams(
                         lo.min() * clip, hi.max() * clip, symmetric=plan.symmetric_input(chain))
                     continue
-            elif norm is None:
-                s = factors(absmax, plan.weights[name], self.smoothquant.alpha)
+            elif norm is None:  # GQA's v rows: the query heads of a group share a factor
+                s = factors(absmax, plan.weights[name], self.smoothquant.alpha,
+                            rows.rows if rows is not None else None)
             else:
                 if chain.input not in shared:  # the readers' weights before any is smoothed
                     joint = torch.cat([plan.weights[r.name] for r in readers[chain.input]])
@@ -236,8 +275,17 @@ class SmoothQuantTransform:
                 s = shared[chain.input]
             apply_factors(plan, chain, s, norm, producer if folds else None, lo * clip, hi * clip)
 
+    def _for_fold_only(self, plan: LayerPlan, chain: Chain) -> bool:
+        """Whether the default selection took ``chain`` only because its input is a gated
+        product whose ``up`` rows could take the factors (``smoothquant.select``)."""
+        if self.smoothquant.layers is not None or self.smoothquant.search:
+            return False
+        nodes = {n.name: n for n in plan.gm.graph.nodes}
+        return up_rows(nodes, chain.input, plan.observers[chain.input],
+                       self.chains or plan.chains) is not None
+
     def _search(self, plan: LayerPlan, chain: Chain, group: list[Chain], lo, hi, absmax,
-                smooth: bool):
+                smooth: bool, rows: torch.Tensor | None = None):
         """(s or None, clip, alpha) for the input ``group`` reads: ``search`` over the readers'
         stacked weights, on the input's calibration sample. A dynamic config takes no clip, and
         no factor where only the prologue could apply it (it needs a static scale)."""
@@ -252,9 +300,9 @@ class SmoothQuantTransform:
             samples.rows, lo, hi, joint, plan.dtypes[chain.name], static=static,
             symmetric=plan.symmetric_input(chain),
             per_channel=isinstance(self.config.weight_granularity, PerChannel),
-            smooth=smooth or static,
+            smooth=smooth or static, fold_rows=rows,
         )
-        s = factors(absmax, joint, alpha) if alpha is not None else None
+        s = factors(absmax, joint, alpha, rows) if alpha is not None else None
         return s, clip, alpha
 
 
@@ -290,8 +338,10 @@ class GPTQTransform:
 
 class AWQTransform:
     """AWQ over the plan's layers in ``layers``: per input, the searched ``s`` folded through
-    SmoothQuant's machinery (``fold_norms``, ``apply_factors``); then, with ``clip``, each
-    layer's weight clamped at its searched per-group clip ratios. Records what it chose in
+    SmoothQuant's machinery (``fold_norms``, ``apply_factors``; into an RMSNorm, a producer
+    Linear, or the ``up`` / ``v`` rows behind a gated product / attention:
+    ``LayerPlan.row_fold``); then, with ``clip``, each layer's weight clamped at its searched
+    per-group clip ratios. Records what it chose in
     ``plan.awq`` (chain name -> ``{"ratio": ..., "folded": ..., "clipped": ...}``)."""
 
     def __init__(self, awq: AWQ, layers: list[str], chains: list[Chain], config) -> None:
@@ -334,6 +384,8 @@ class AWQTransform:
             if norm is None and len(readers[inp]) == 1 and len(nodes[inp].users) == 1:
                 producer = next((c for c in plan.chains if c.output == inp
                                  and len(c.nodes) == 1), None)
+            if norm is None and producer is None and len(group) == 1:
+                producer = plan.row_fold(group[0], self.chains)  # up / v rows (row_folds)
             if norm is None and producer is None:
                 for c in group:
                     chosen[c.name] = {"ratio": None, "folded": "no fold target"}
@@ -349,8 +401,10 @@ class AWQTransform:
             joint = torch.cat([plan.weights[c.name] for c in group])
             ratio, s, _ = search_scale(
                 rows, x_mean, joint, size, symmetric, grid=self.awq.grid,
-                duo_scaling=self.awq.duo_scaling, act=self._act(plan, group[0], lo, hi))
-            where = "RMSNorm weight" if norm is not None else "producer"
+                duo_scaling=self.awq.duo_scaling, act=self._act(plan, group[0], lo, hi),
+                fold_rows=producer.rows if isinstance(producer, RowFold) else None)
+            where = "RMSNorm weight" if norm is not None else (
+                f"{producer.member} rows" if isinstance(producer, RowFold) else "producer")
             for c in group:
                 chosen[c.name] = {"ratio": ratio, "folded": where if s is not None else None}
                 if s is None:
