@@ -128,7 +128,7 @@ def tie(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     if rows is None or rows.unique().numel() == rows.numel():
         return values
     pooled = values.new_zeros(int(rows.max()) + 1).scatter_reduce(
-        0, rows, values, "amax", include_self=False)
+        0, rows.to(values.device), values, "amax", include_self=False)
     return pooled[rows]
 
 

@@ -188,7 +188,7 @@ def apply_factors(plan: LayerPlan, chain: Chain, s: torch.Tensor, norm,
     elif producer is not None:
         fold = producer if isinstance(producer, RowFold) else None
         owner = fold.producer if fold else producer.name
-        divisor = torch.ones(plan.weights[owner].shape[0])
+        divisor = torch.ones(plan.weights[owner].shape[0], device=s.device)
         divisor[fold.rows if fold else slice(None)] = s
         plan.weights[owner] = plan.weights[owner] / divisor[:, None]
         if plan.biases[owner] is not None:
