@@ -60,6 +60,14 @@ def _sweep_arguments(p, configs: str | None = None) -> None:
         help="largest metric drop vs fp32 that 'best' may accept, in the recipe's metric units "
         "(default: the recipe's default_max_drop)",
     )
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=0.95,
+        help="'best': a candidate meets --max-drop when its drop plus the noise margin, this "
+        "one-sided confidence bound of its per-window differences vs fp32, does (recipes whose "
+        "validation metric is per window, e.g. llm); 0.5 for no margin (default 0.95)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument(
         "--modes", default=",".join(MODES), help="latency modes on CUDA (CPU times eager only)"
@@ -126,6 +134,7 @@ def _sweep(args) -> int:
         modes=modes,
         repeats=args.repeats,
         quiet=args.quiet,
+        confidence=args.confidence,
     )
     with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
         print(f.read())
@@ -155,8 +164,10 @@ def _print_best(results: dict) -> None:
         if "delta" in row:
             held += f" (change vs fp32 {row['delta']:+.4g})"
         print(held)
+    margin = search.get("margin", 0.0)
     print(f"validation: {search['metric']:.6g} vs float {search['baseline']:.6g}, drop "
-          f"{search['drop']:.4g} <= max-drop {search['max_drop']:.4g}")
+          f"{search['drop']:.4g} + margin {margin:.4g} <= max-drop {search['max_drop']:.4g} "
+          f"({search.get('margin_rule', '')})")
     print(f"why: {search['why']}")
     print("reproduce: qfuse.prepare(model, QConfig.from_dict(config), ...) with "
           f"{json.dumps({k: v for k, v in c.items() if k != 'label'})}")

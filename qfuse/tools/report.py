@@ -194,11 +194,15 @@ def _search_section(s: dict) -> list[str]:
         "## best: the search path",
         "",
         f"Search winner: **{c['label']}** — validation metric {s['metric']:.5f} (float "
-        f"{s['baseline']:.5f}, drop {s['drop']:.5f} <= max-drop {s['max_drop']:g}), "
+        f"{s['baseline']:.5f}, drop {s['drop']:.5f} + margin {s.get('margin', 0.0):.5f} <= "
+        f"max-drop {s['max_drop']:g}), "
         f"{s['latency_ms']:.3f} ms eager in the search's own timing (the table re-times every "
         f"row; on a busy machine the two differ by its noise); {s['evaluations']} steps.",
         "",
     ]
+    if s.get("margin_rule"):
+        rule = s["margin_rule"]
+        out += [f"{rule[:1].upper()}{rule[1:]}.", ""]
     if s.get("why"):
         out += [f"Why: {s['why']}.", ""]
     if c["keep_float"]:
@@ -218,12 +222,13 @@ def _path_table(path: list[dict]) -> list[str]:
                 st["candidate"],
                 fmt(st["metric"], ".5f"),
                 fmt(st["drop"], ".5f"),
+                fmt(st.get("margin"), ".5f"),
                 fmt(st["latency_ms"], ".3f"),
                 "yes" if st["meets"] else "",
                 st["note"].replace("|", "/"),
             ]
         )
-    header = ["stage", "candidate", "val. metric", "drop", "eager ms", "meets", "note"]
+    header = ["stage", "candidate", "val. metric", "drop", "+ margin", "eager ms", "meets", "note"]
     return [markdown_table(header, rows), ""]
 
 

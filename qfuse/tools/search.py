@@ -17,6 +17,11 @@ by the dtype, the activation scheme and the layers kept float. The search theref
 4. prunes a scheme whose plain latency is already slower than a config that meets the budget
    (the two re-timed interleaved first: they were timed minutes apart).
 
+When ``eval_fn`` returns ``qfuse.tools.margin.PerWindow`` scores, "meets the budget" means the
+drop plus a noise margin (the one-sided 95% upper confidence bound of the paired per-window
+differences vs float, ``confidence``) is <= max_drop — at every step above, auto_fallback's own
+stopping rule included; a plain float keeps the drop alone (margin 0, said in ``why``).
+
 Every evaluation is a step of ``SearchResult.path``; the winner is the fastest that met the budget,
 re-timed against the other winners in interleaved rounds; within ``timing.NOISE_MARGIN`` of the
 fastest, the better metric wins (the same inputs give the same choice, timing noise aside).
@@ -40,6 +45,7 @@ from qfuse.config import PerTensor, PerToken, QConfig
 from qfuse.errors import QFuseError
 from qfuse.flows.convert import convert
 from qfuse.tools.calibrate import Calibrations, key_of, progress
+from qfuse.tools.margin import CONFIDENCE, PerWindow, bound, rule
 from qfuse.tools.timing import error_text, fastest, median_ms, repeated_ms
 
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -240,6 +246,7 @@ class Step:
     latency_ms: float | None
     meets: bool
     note: str = ""
+    margin: float | None = None  # drop + margin is the drop's upper confidence bound
 
 
 @dataclass
@@ -261,8 +268,10 @@ class SearchResult:
     latency_ms: float
     max_drop: float
     path: list[Step] = field(default_factory=list)
-    fallback: FallbackResult | None = None
+    fallback: FallbackResult | None = None  # its metrics: at the margin's bound (drop + margin)
     why: str = ""  # the choice in words: fastest within the budget, and what was over it
+    margin: float = 0.0  # the winner's: drop + margin <= max_drop
+    margin_rule: str = ""  # how the margin was taken (or why there was none)
 
     @property
     def config(self) -> QConfig:
@@ -282,6 +291,8 @@ class SearchResult:
             "drop": self.drop,
             "latency_ms": self.latency_ms,
             "max_drop": self.max_drop,
+            "margin": self.margin,
+            "margin_rule": self.margin_rule,
             "evaluations": len(self.path),
             "why": self.why,
             "path": [asdict(s) for s in self.path],
@@ -289,22 +300,38 @@ class SearchResult:
 
 
 class _Search:
-    def __init__(self, cache, eval_fn, max_drop, higher_is_better, time_fn, quiet):
+    def __init__(self, cache, eval_fn, max_drop, higher_is_better, time_fn, quiet, confidence):
         self.cache, self.eval_fn, self.max_drop = cache, eval_fn, max_drop
+        self.higher_is_better = higher_is_better
         self.sign = 1.0 if higher_is_better else -1.0
-        self.time_fn, self.quiet = time_fn, quiet
+        self.time_fn, self.quiet, self.confidence = time_fn, quiet, confidence
         self.path: list[Step] = []
         self.metrics: dict[Candidate, float] = {}
+        self.margins: dict[Candidate, float] = {}
         self.latency: dict[Candidate, float] = {}
         self.models: dict[Candidate, torch.nn.Module] = {}
         self.baseline = 0.0
+        self.scores: float | PerWindow = 0.0  # float's eval_fn result, per window when given
         self.failed: dict[Candidate, str] = {}
 
     def drop(self, metric: float) -> float:
         return self.sign * (self.baseline - metric)
 
+    def worst(self, c: Candidate) -> float:
+        """The candidate's drop plus its noise margin: what must be <= max_drop."""
+        return self.drop(self.metrics[c]) + self.margins.get(c, 0.0)
+
     def meets(self, c: Candidate) -> bool:
-        return c in self.metrics and self.drop(self.metrics[c]) <= self.max_drop
+        return c in self.metrics and self.worst(c) <= self.max_drop
+
+    def record(self, c: Candidate, scores) -> None:
+        b = bound(scores, self.scores, self.higher_is_better, self.confidence)
+        self.metrics[c], self.margins[c] = b.metric, b.margin
+
+    def drop_text(self, c: Candidate) -> str:
+        """"drop 0.1862 + margin 0.0451" (the margin only when there is one)."""
+        text = f"drop {self.drop(self.metrics[c]):.4g}"
+        return text + (f" + margin {self.margins[c]:.4g}" if self.margins.get(c) else "")
 
     def prepared(self, c: Candidate):
         return self.cache.get(c.config, c.smoothquant, c.gptq, c.smoothquant_layers)
@@ -319,7 +346,7 @@ class _Search:
         try:
             if c not in self.metrics:
                 qmodel = convert(self.prepared(c), **c.convert_kwargs())
-                self.metrics[c] = float(self.eval_fn(qmodel))
+                self.record(c, self.eval_fn(qmodel))
                 self.models[c] = qmodel
             if timed and c not in self.latency:
                 self.latency[c] = self.time_fn(self.models[c])
@@ -332,21 +359,23 @@ class _Search:
                 print(f"search [{stage}] {c.label()}: {self.failed[c]}", file=sys.stderr)
             return None
         m = self.metrics[c]
-        step = Step(stage, c.label(), m, self.drop(m), self.latency.get(c), self.meets(c), note)
+        step = Step(stage, c.label(), m, self.drop(m), self.latency.get(c), self.meets(c), note,
+                    self.margins.get(c))
         self.path.append(step)
         if not self.quiet:
             ms = "" if step.latency_ms is None else f", {step.latency_ms:.3g} ms"
             print(
-                f"search [{stage}] {step.candidate}: {m:.6g} (drop {step.drop:.3g}{ms})",
+                f"search [{stage}] {step.candidate}: {m:.6g} ({self.drop_text(c)}{ms})",
                 file=sys.stderr,
                 flush=True,
             )
         return m
 
     def better(self, a: Candidate, b: Candidate) -> bool:
+        """``a`` measured a smaller drop + margin than ``b`` (the quantity the budget bounds)."""
         if a not in self.metrics:
             return False
-        return b not in self.metrics or self.sign * (self.metrics[a] - self.metrics[b]) > 0
+        return b not in self.metrics or self.worst(a) < self.worst(b)
 
     def note(self, stage: str, text: str) -> None:
         self.path.append(Step(stage, "", None, None, None, False, text))
@@ -422,23 +451,39 @@ def _pick(s: _Search, winners: list[Candidate]) -> Candidate:
             s.latency[by_label[label]] = ms
     else:
         times = {k: s.latency[c] for k, c in by_label.items()}
-    rank = {k: (s.sign * -s.metrics[c],) for k, c in by_label.items()}
+    rank = {k: (s.worst(c),) for k, c in by_label.items()}
     return by_label[fastest(times, rank)]
 
 
 def _fallback(s: _Search, best: Candidate, space: SearchSpace, higher_is_better: bool,
               results: dict) -> Candidate | None:
     """``auto_fallback`` from ``best``'s calibration: the space's target (fp8 only from int8),
-    layer budget and ranking; the candidate it gives (measured and timed), or None."""
+    layer budget and ranking; the candidate it gives (measured and timed), or None.
+
+    auto_fallback stops at the fewest layers whose drop meets max_drop; it is handed the
+    metric at the search's confidence bound (``worst``), so that its stopping rule is the
+    search's own: drop + margin <= max_drop (stopping "just under" the budget on the mean
+    drop was what overfit 8 validation windows). Its sensitivity ranking uses the plain metric;
+    the ``FallbackResult``'s own metrics (baseline, metric, trace) are those bounds.
+    """
     prepared = s.prepared(best)
     to = space.fallback if best.config.dtype == torch.int8 else "float"
+    seen: dict[int, object] = {}  # id(model) -> eval_fn's result, to keep the returned one's
+
+    def worst(model) -> float:
+        scores = seen[id(model)] = s.eval_fn(model)
+        b = bound(scores, s.scores, higher_is_better, s.confidence)
+        return b.metric - s.sign * b.margin
+
     try:
-        report = None
         if space.sensitivity == "local":
             report = sensitivity(prepared, data=s.cache.batches[:1], method="local",
                                  quiet=s.quiet)
+        else:
+            report = sensitivity(prepared, eval_fn=lambda m: float(s.eval_fn(m)),
+                                 higher_is_better=higher_is_better, quiet=s.quiet)
         qmodel, fb = auto_fallback(
-            prepared, s.eval_fn, s.max_drop, higher_is_better=higher_is_better,
+            prepared, worst, s.max_drop, higher_is_better=higher_is_better,
             max_fraction=space.fallback_fraction, fallback=to, report=report, quiet=s.quiet,
         )
     except Exception as exc:  # noqa: BLE001 — a failed fallback leaves the other schemes
@@ -446,12 +491,14 @@ def _fallback(s: _Search, best: Candidate, space: SearchSpace, higher_is_better:
         return None
     moved = tuple(sorted(fb.fallback_layers))
     c = replace(best, fp8_layers=moved) if to == "fp8" else replace(best, keep_float=moved)
-    s.metrics[c], s.models[c] = float(fb.metric), qmodel
+    s.record(c, seen[id(qmodel)])
+    s.models[c] = qmodel
     results[c] = fb
     how = f"{space.sensitivity} sensitivity ranking"
     if fb.max_layers is not None:
         how += f", at most {fb.max_layers} of {fb.layers} Linears"
-    note = f"{fb.evaluations} evaluations inside; {how}; moved {fb.moved} to {to}"
+    inside = fb.evaluations + (len(report.rows) if space.sensitivity == "full" else 0)
+    note = f"{inside} evaluations inside; {how}; moved {fb.moved} to {to}"
     if not fb.met:
         note += "; the layer budget could not reach max_drop"
     s.evaluate("auto_fallback", c, timed=True, note=note)
@@ -461,19 +508,19 @@ def _fallback(s: _Search, best: Candidate, space: SearchSpace, higher_is_better:
 def _why(s: _Search, win: Candidate, winners: list[Candidate]) -> str:
     """The choice in words: the fastest within the budget, its rivals, and what missed."""
     ms = lambda c: f"{s.latency[c]:.4g} ms" if c in s.latency else "not timed"  # noqa: E731
-    text = (f"picked {win.label()}: the fastest configuration within the budget (drop "
-            f"{s.drop(s.metrics[win]):.4g} <= {s.max_drop:.4g}), {ms(win)} per forward by the "
-            f"search's time_fn")
+    text = (f"picked {win.label()}: the fastest configuration within the budget "
+            f"({s.drop_text(win)} = {s.worst(win):.4g} <= {s.max_drop:.4g}), {ms(win)} per "
+            f"forward by the search's time_fn")
     if len(winners) > 1:
         text += f" (the fastest of the {len(winners)} schemes' finalists, re-timed interleaved)"
+    text += f"; {rule(s.scores, s.confidence)}"
     rivals = [c for c in s.metrics if c != win and s.meets(c)]
     if rivals:
         text += "; also within it, slower or searched past: " + ", ".join(
-            f"{c.label()} ({ms(c)}, drop {s.drop(s.metrics[c]):.4g})" for c in rivals)
+            f"{c.label()} ({ms(c)}, {s.drop_text(c)})" for c in rivals)
     over = [c for c in s.metrics if not s.meets(c)]
     if over:
-        text += "; over the budget: " + ", ".join(
-            f"{c.label()} (drop {s.drop(s.metrics[c]):.4g})" for c in over)
+        text += "; over the budget: " + ", ".join(f"{c.label()} ({s.drop_text(c)})" for c in over)
     if s.failed:
         text += "; failed: " + ", ".join(c.label() for c in s.failed)
     return text
@@ -483,7 +530,7 @@ def _why(s: _Search, win: Candidate, winners: list[Candidate]) -> str:
 def search(
     model: torch.nn.Module,
     calibration: list,
-    eval_fn: Callable[[torch.nn.Module], float],
+    eval_fn: Callable[[torch.nn.Module], float | PerWindow],
     max_drop: float,
     *,
     higher_is_better: bool = True,
@@ -492,13 +539,17 @@ def search(
     prepare_kwargs: dict | None = None,
     cache: Calibrations | None = None,
     quiet: bool = False,
+    confidence: float = CONFIDENCE,
 ) -> SearchResult:
     """The fastest measured config whose ``eval_fn`` drop vs the float ``model`` is <= max_drop.
 
-    ``calibration``: batches (tensor, args tuple or kwargs dict). ``eval_fn(model) -> float``
-    should use data the final report does not (a validation split). ``time_fn(qmodel) -> ms``
-    defaults to the CPU median of a forward on ``calibration[0]``. ``prepare_kwargs``: extra
-    ``qfuse.prepare`` arguments (``dynamic_shapes``).
+    ``calibration``: batches (tensor, args tuple or kwargs dict). ``eval_fn(model)`` should use
+    data the final report does not (a validation split) and return a float, or ``PerWindow``
+    scores (``qfuse.tools.margin``): then a candidate meets the budget only when its drop plus
+    the noise margin (the one-sided ``confidence`` upper bound of the paired per-window
+    differences vs float) is <= max_drop. ``time_fn(qmodel) -> ms`` defaults to the CPU median
+    of a forward on ``calibration[0]``. ``prepare_kwargs``: extra ``qfuse.prepare`` arguments
+    (``dynamic_shapes``).
 
     Example:
         >>> import torch, qfuse
@@ -519,15 +570,20 @@ def search(
     space = space or SearchSpace()
     if max_drop < 0:
         raise QFuseError(f"max_drop={max_drop}: the allowed metric drop must be >= 0.")
+    if not 0.5 <= confidence < 1:
+        raise QFuseError(f"confidence={confidence}: the margin's one-sided confidence, in "
+                         "[0.5, 1) (0.5: no margin; 0.95 by default).")
     cache = cache or Calibrations(model, calibration, prepare_kwargs, quiet=quiet)
     if time_fn is None:
         example = cache.batches[0]
         time_fn = lambda m: median_ms(  # noqa: E731
             lambda: call(m, example), torch.device("cpu"), warmup=1, repeats=5
         )
-    s = _Search(cache, eval_fn, max_drop, higher_is_better, time_fn, quiet)
-    s.baseline = float(eval_fn(model))
-    s.note("float", f"float baseline metric {s.baseline:.6g}; budget: drop <= {max_drop:g}")
+    s = _Search(cache, eval_fn, max_drop, higher_is_better, time_fn, quiet, confidence)
+    s.scores = eval_fn(model)
+    s.baseline = float(s.scores)
+    s.note("float", f"float baseline metric {s.baseline:.6g}; budget: drop + margin <= "
+                    f"{max_drop:g}; {rule(s.scores, confidence)}")
 
     names = {k: scheme_name(*k) for k in space.schemes()}
     plain = {k: Candidate(plain_config(*k)) for k in space.schemes()}
@@ -574,10 +630,11 @@ def search(
         failed = ""
         if s.failed:
             failed = f"; {len(s.failed)} candidates raised, first: {next(iter(s.failed.values()))}"
+        closest = sorted(s.metrics, key=s.worst)[:3]
         raise SearchError(
-            f"qfuse.search: no configuration meets max_drop={max_drop} (smallest drops: "
-            f"{[round(x, 6) for x in sorted(s.drop(m) for m in s.metrics.values())[:3]]}"
-            f"{failed}); raise max_drop, or "
+            f"qfuse.search: no configuration meets max_drop={max_drop} (closest, drop + "
+            f"margin: {'; '.join(f'{c.label()}: {s.drop_text(c)}' for c in closest)}"
+            f"{failed}; {rule(s.scores, confidence)}); raise max_drop, or "
             + ("raise the SearchSpace's fallback_fraction (auto_fallback's layer budget)."
                if space.auto_fallback and space.fallback_fraction is not None
                else "enable auto_fallback in the SearchSpace." if not space.auto_fallback
@@ -599,4 +656,6 @@ def search(
         s.path,
         fallback.get(win),
         why,
+        s.margins.get(win, 0.0),
+        rule(s.scores, confidence),
     )

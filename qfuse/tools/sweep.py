@@ -28,6 +28,7 @@ from qfuse.export import save
 from qfuse.flows.convert import convert
 from qfuse.state import get_state
 from qfuse.tools.calibrate import Calibrations, progress
+from qfuse.tools.margin import CONFIDENCE
 from qfuse.tools.recipes import SweepSpec
 from qfuse.tools.report import write_report
 from qfuse.tools.search import SearchError, SearchSpace, search
@@ -91,9 +92,11 @@ def _layers(model: torch.nn.Module) -> tuple[int | None, int | None]:
 class Sweep:
     """State shared by the configs of one sweep (the calibration cache, the fp32 metric)."""
 
-    def __init__(self, spec: SweepSpec, device, max_drop, modes, repeats, space, quiet):
+    def __init__(self, spec: SweepSpec, device, max_drop, modes, repeats, space, quiet,
+                 confidence=CONFIDENCE):
         self.spec, self.device, self.max_drop = spec, torch.device(device), max_drop
         self.modes, self.repeats, self.space, self.quiet = modes, repeats, space, quiet
+        self.confidence = confidence
         self.cache = Calibrations(spec.model, spec.calibration, spec.prepare_kwargs, quiet)
         self.search_result = None
         self.timed: dict[str, tuple] = {}  # config -> (model, batch), for ``retime``
@@ -136,6 +139,7 @@ class Sweep:
                 time_fn=time_fn,
                 cache=self.cache,
                 quiet=self.quiet,
+                confidence=self.confidence,
             )
             self.search_result = r
             # The row is the search's winner, whatever a float model would time here: the
@@ -236,10 +240,12 @@ def run_sweep(
     repeats: int = 10,
     space: SearchSpace | None = None,
     quiet: bool = False,
+    confidence: float = CONFIDENCE,
 ) -> dict:
     """Measure ``configs`` on ``spec`` and (when ``out`` is given) write the report directory.
     ``space``: what ``best`` searches (default: the spec's ``search_space``, else
-    ``SearchSpace()``).
+    ``SearchSpace()``); ``confidence``: its noise margin's, when the spec's ``validate``
+    returns per-window scores (``qfuse.search``).
 
     Returns the results dict that ``results.json`` holds (``rows``, ``environment``, ``search``).
 
@@ -253,6 +259,9 @@ def run_sweep(
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise QFuseError(f"unknown sweep configs {unknown}; choose from {', '.join(CONFIGS)}.")
+    if not 0.5 <= confidence < 1:
+        raise QFuseError(f"confidence={confidence}: best's noise margin takes a one-sided "
+                         "confidence in [0.5, 1) (0.5: no margin).")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendError(f"device {device}: CUDA is not available on this machine (torch "
@@ -260,7 +269,7 @@ def run_sweep(
     if device.type not in ("cpu", "cuda"):
         raise UnsupportedError(f"device {device}: the sweep runs on cpu or cuda.")
     space = space if space is not None else spec.search_space
-    sweep = Sweep(spec, device, max_drop, tuple(modes), repeats, space, quiet)
+    sweep = Sweep(spec, device, max_drop, tuple(modes), repeats, space, quiet, confidence)
     rows: list[dict] = []
     results = {
         "recipe": spec.name,
