@@ -3,6 +3,7 @@ the same chain in int8 and in bf16 cuBLAS: the weight stream's bandwidth (issue 
 
     python -m bench.kernels.w4_chain --out $OUT/w4_chain.json          (GPU, ~2 min)
     python -m bench.kernels.w4_chain --sweep --out $OUT/w4_sweep.json  (+ other schedules)
+    python -m bench.kernels.w4_chain --a8 --out $OUT/w4_chain.json     (+ W4A8, x per token)
     python -m bench.kernels.w4_chain --tiny --out /tmp/w4_chain.json   (CPU smoke test)
     python -m bench.kernels.w4_chain --ptxas                           (CPU: sm_90 registers)
 
@@ -13,8 +14,8 @@ HBM). Rows, at M = 1 and 16 tokens:
 - ``qfuse_w4a16_g128``: 4-bit weights in groups of 128 with zero points (``QConfig.w4a16(128,
   symmetric=False)``'s layout), bf16 activations, the fused kernel (``kernels.gemm.w4``) with
   its default schedule (``pick_config``), one launch per GEMM, the epilogue in it (bias, SwiGLU,
-  residual, bf16 out); with ``--sweep`` also other schedules (``sweep_templates``: the
-  defaults are untuned guesses until this runs);
+  residual, bf16 out); with ``--sweep`` also other schedules (``sweep_templates``; at M = 1
+  each role's 22 GEMMs alone under every schedule, then the chain with each role's fastest);
 - ``qfuse_int8``: decode_chain's int8 chain (same code path, autotuned schedules, PDL on);
 - ``bf16_cublas``: ``F.linear`` with SwiGLU between gate+up and down.
 
