@@ -216,3 +216,20 @@ class QConfig:
                 value = _GRANULARITIES[value["type"]](**args)
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def config_for(name: str, config: QConfig, layer_configs=None) -> QConfig:
+    """The config of layer ``name``: the first ``layer_configs`` glob that matches it, else
+    ``config``.
+
+    Example:
+        >>> static, dynamic = QConfig.int8_static(), QConfig.int8_dynamic()
+        >>> config_for("model.layers.3.mlp.down_proj", static, {"*.down_proj": dynamic}).is_dynamic
+        True
+    """
+    import fnmatch
+
+    for pattern, layer_config in (layer_configs or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return layer_config
+    return config

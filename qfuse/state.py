@@ -47,6 +47,7 @@ class QFuseState:
     source: object | None = None  # qfuse.validate.ModelRef: the user's model (output="model")
     pipeline: object | None = None  # qfuse.pipeline.PipelineOptions the graph passes ran with
     passes: dict[str, list] = field(default_factory=dict)  # pass name -> its record (pipeline)
+    layer_configs: dict = field(default_factory=dict)  # prepare's per-layer QConfig globs
 
 
 def get_state(model) -> QFuseState | None:

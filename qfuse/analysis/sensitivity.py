@@ -281,7 +281,7 @@ def _fake_input(x, chain, plan, config) -> torch.Tensor:
 
     dtype = plan.dtypes[chain.name]
     scale, zero_point = plan.x_qparams[chain.name]
-    if config.is_dynamic or scale is None:
+    if chain.name in plan.dynamic or scale is None:
         if chain.kind == "linear":
             q, row_scale = quantize_per_token(x, dtype)
             return q.float() * row_scale[:, None]

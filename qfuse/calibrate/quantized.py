@@ -63,6 +63,14 @@ def quantized_twin(prepared: fx.GraphModule, stage: Stage) -> fx.GraphModule:
             "outputs='float' (the default) or without SmoothQuant."
         )
     dtype, dynamic = state.config.dtype, state.config.is_dynamic
+    mixed = [g for g, c in (getattr(state, "layer_configs", None) or {}).items()
+             if c.is_dynamic != dynamic]
+    if mixed:
+        raise UnsupportedError(
+            f"outputs='quantized' simulates one activation scheme for every layer, but "
+            f"layer_configs {mixed} switch static/dynamic; calibrate with outputs='float' (the "
+            "default)."
+        )
     per_channel = isinstance(state.config.weight_granularity, PerChannel)
     graph = fx.Graph()
     graph.output(graph.graph_copy(stage.module.graph, {}))

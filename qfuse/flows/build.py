@@ -35,7 +35,7 @@ def build(chain: Chain, config, plan: LayerPlan, out_qparams, input_quantized, o
         res_scale, res_zp = (res_scale * to_fp8 if res_scale is not None else None), None
         prologue = prologue / to_fp8 if prologue is not None else None
         out_dtype = torch.float8_e4m3fn if out_dtype == torch.int8 else out_dtype
-    if config.is_dynamic:
+    if chain.name in plan.dynamic:
         if prologue is not None:
             raise UnsupportedError(
                 f"layer {chain.name}: SmoothQuant's prologue vector needs a static activation "

@@ -65,6 +65,8 @@ def _handoff_readers(chain, readers_of, residual_of, nodes, observers, plan):
         return [], []
     if any(plan.dtypes[r.name] != plan.dtypes[chain.name] for r in readers + res_readers):
         return [], []  # an int8 layer cannot hand fp8 to an fp8 one (or the reverse)
+    if chain.name in plan.dynamic or any(r.name in plan.dynamic for r in readers + res_readers):
+        return [], []  # a per-token layer takes and gives float
     if any(plan.x_qparams[r.name][0] is None for r in readers):
         return [], []  # dynamic layers without calibration: no static scale to hand over with
     scales = {(float(plan.x_qparams[r.name][0]), int(plan.x_qparams[r.name][1])) for r in readers}

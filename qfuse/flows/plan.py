@@ -19,7 +19,7 @@ from qfuse.algorithms.awq import AWQ, AWQSamples, search_clip, search_scale
 from qfuse.algorithms.gptq import round_layer, round_layer4
 from qfuse.algorithms.row_folds import RowFold, row_fold, up_rows
 from qfuse.algorithms.smoothquant import factors, foldable_norm, search, smoothed_qparams
-from qfuse.config import PerChannel
+from qfuse.config import PerChannel, config_for
 from qfuse.errors import CalibrationError, QFuseError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
@@ -62,7 +62,12 @@ class LayerPlan:
         self.observers = {src: gm.get_submodule(name) for src, name in observers.items()}
         # chain input node -> its InputSamples (SmoothQuant's search measures candidates on them)
         self.samples = {src: gm.get_submodule(name) for src, name in state.samples.items()}
-        self.x_qparams = {c.name: self._input_qparams(c, state.config) for c in chains}
+        # chain names whose input is quantized per token at run time (the config's, or a
+        # dynamic QConfig of prepare's layer_configs in a static model)
+        layer_configs = getattr(state, "layer_configs", None)
+        self.dynamic = {c.name for c in chains
+                        if config_for(c.name, state.config, layer_configs).is_dynamic}
+        self.x_qparams = {c.name: self._input_qparams(c) for c in chains}
         self.prologue = {}  # chain name -> per-input-channel inverse-scale vector
         self.smoothing = {}  # chain name -> SmoothQuant factors s (the layer sees x / s)
         self.folded_into = {}  # chain name -> where SmoothQuant folded x / s ("producer", ...)
@@ -76,7 +81,7 @@ class LayerPlan:
         for transform in transforms(state, hessians):
             transform.apply(self)
 
-    def _input_qparams(self, chain: Chain, config) -> tuple:
+    def _input_qparams(self, chain: Chain) -> tuple:
         """The chain's static input (scale, zero point) from its observer; ``(None, None)`` for
         a dynamic config whose observer saw no data: per-token scales are computed at run time,
         so ``int8_dynamic()`` converts without calibration (what needs data, SmoothQuant's
@@ -84,7 +89,7 @@ class LayerPlan:
         observer = self.observers[chain.input]
         # QAT's and an imported file's qparams sources hold fixed values and count no batches
         seen = getattr(observer, "num_batches", None)
-        if config.is_dynamic and seen is not None and not int(seen):
+        if chain.name in self.dynamic and seen is not None and not int(seen):
             return None, None
         return _per_tensor_qparams(observer, self.symmetric_input(chain))
 
@@ -294,7 +299,7 @@ class SmoothQuantTransform:
             raise QFuseError(f"layer {chain.name}: SmoothQuant(search=True) found no calibration "
                              "sample of its input; prepare the model with this SmoothQuant.")
         samples.check_calibrated()
-        static = not self.config.is_dynamic
+        static = chain.name not in plan.dynamic
         joint = torch.cat([plan.weights[r.name] for r in group])
         alpha, clip = search(
             samples.rows, lo, hi, joint, plan.dtypes[chain.name], static=static,
@@ -351,7 +356,7 @@ class AWQTransform:
         """The activation rounding the layer applies to ``x / s`` (None: float activations)."""
         if self.config.weight_only:
             return None
-        if self.config.is_dynamic:
+        if chain.name in plan.dynamic:
             def act(xs, s):
                 q, scale = quantize_per_token(xs, torch.int8)
                 return q.float() * scale[:, None]

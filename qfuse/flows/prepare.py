@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 
 from torch import fx, nn
@@ -13,7 +12,7 @@ from qfuse.algorithms.gptq import GPTQ
 from qfuse.algorithms.gptq import select as gptq_select
 from qfuse.algorithms.smoothquant import SmoothQuant
 from qfuse.algorithms.smoothquant import select as smoothquant_select
-from qfuse.config import QConfig
+from qfuse.config import QConfig, config_for
 from qfuse.errors import UnsupportedError
 from qfuse.fusion.graph_utils import attr_tensor
 from qfuse.fusion.patterns import Chain
@@ -104,14 +103,6 @@ def _insert_reader(gm: fx.GraphModule, nodes: dict, readers: list[Chain], name: 
         anchor.args = (node, *anchor.args[1:])
 
 
-def config_for(name: str, config: QConfig, layer_configs: Mapping[str, QConfig] | None) -> QConfig:
-    """The config of layer ``name``: the first matching ``layer_configs`` glob, else ``config``."""
-    for pattern, layer_config in (layer_configs or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return layer_config
-    return config
-
-
 def prepare(
     model: nn.Module,
     config: QConfig,
@@ -130,8 +121,12 @@ def prepare(
     Calibrate by calling the returned module on representative batches, then ``qfuse.convert``.
     The float model is not modified (BatchNorm is folded in the captured copy).
     ``layer_configs`` maps layer-name globs (``"encoder.layer.*.output.dense"``) to the QConfig
-    whose observer and activation scheme those layers use (first match wins); layers reading one
-    shared input share one observer, configured by the first of them. ``smoothquant`` enables
+    whose observer and activation scheme those layers use (first match wins): its observer and
+    symmetry, and static (per-tensor) or dynamic (per-token) activations, so a static model can
+    keep per-token scales where one range per tensor cannot serve (a Llama's ``down_proj``:
+    ``{"*.down_proj": QConfig.int8_dynamic()}``); a dynamic layer takes float from its producer
+    and quantizes per token. Layers reading one shared input share one observer, configured by
+    the first of them. ``smoothquant`` enables
     SmoothQuant (``qfuse.SmoothQuant(alpha=...)``): inputs of the smoothed layers get per-channel
     MinMax observers, whose statistics the smoothing factors need. ``gptq`` (``qfuse.GPTQ()``)
     also records each layer's input Hessian, and convert rounds the weights with GPTQ.
@@ -239,6 +234,7 @@ def prepare_pipeline(
     state.smoothquant, state.smoothed = smoothquant, smoothed
     state.gptq, state.hessians, state.samples = gptq, hessians, samples
     state.awq, state.awq_layers = awq, awq_layers
+    state.layer_configs = dict(layer_configs or {})
     state.source = ModelRef(model)
     set_state(gm, state)
     return gm

@@ -254,7 +254,8 @@ def _gated_mlps(prepared: fx.GraphModule, chains: list[Chain], slots: dict) -> d
 def _swap_gated_mlp(model, parent, chain, down, plan, config, float_dtype, layers):
     """Put a ``QGatedMLP`` at ``parent``: with static scales of one dtype, the gate/up epilogue
     quantizes the product for ``down`` (no float round trip between the two GEMMs)."""
-    handoff = (not config.is_dynamic and plan.dtypes[chain.name] == plan.dtypes[down.name]
+    handoff = (not {chain.name, down.name} & plan.dynamic
+               and plan.dtypes[chain.name] == plan.dtypes[down.name]
                and down.name not in plan.prologue)
     bare_down = dataclasses.replace(down, residual=None, post_activation="none",
                                     nodes=[down.anchor])

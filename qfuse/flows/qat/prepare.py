@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from qfuse.config import PerChannel, QConfig
+from qfuse.config import PerChannel, QConfig, config_for
 from qfuse.errors import ModeError, UnsupportedError
-from qfuse.flows.prepare import config_for
 from qfuse.flows.qat.config import QATConfig
 from qfuse.flows.qat.conv_bn import ConvBnFakeQuant
 from qfuse.flows.qat.from_ptq import carry_over
