@@ -149,18 +149,52 @@ def generate(model, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> torch.Te
     return causal_lm.generate(model, ids, new_tokens, load_tokenizer().eos_token_id)
 
 
+def chat_prompt(question: str) -> torch.Tensor:
+    """``[1, n]`` ids of ``question`` as a user turn through the chat template, ready for the
+    assistant's answer."""
+    return load_tokenizer().apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True,
+        return_tensors="pt", return_dict=True)["input_ids"]
+
+
 @torch.no_grad()
-def chat(model, questions=CHAT_PROMPTS, new_tokens: int = 24) -> list[str]:
-    """Greedy answers to chat questions through the model's chat template."""
+def chat(model, questions=CHAT_PROMPTS, new_tokens: int = 24, return_ids: bool = False):
+    """Greedy answers to chat questions through the model's chat template (with
+    ``return_ids``: also each answer's token ids, for ``chat_agreement``)."""
     tok = load_tokenizer()
     device = next(model.parameters(), torch.empty(0)).device
-    answers = []
+    answers, ids_out = [], []
     for question in questions:
-        ids = tok.apply_chat_template([{"role": "user", "content": question}],
-                                      add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)["input_ids"].to(device)
+        ids = chat_prompt(question).to(device)
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
                              attention_mask=torch.ones_like(ids),
                              pad_token_id=tok.eos_token_id)
         answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
-    return answers
+        ids_out.append(out[0].cpu())
+    return (answers, ids_out) if return_ids else answers
+
+
+@torch.no_grad()
+def chat_agreement(model, answers: list, questions=CHAT_PROMPTS) -> dict:
+    """Teacher-forced on the float model's answers (``chat(float_model, return_ids=True)``):
+    the share of answer tokens that stay the model's top choice, and per question the least
+    log-probability margin of float's token over the best other one (negative: it flips).
+
+    A greedy answer is brittle evidence alone: where float's own first-token margin is
+    0.08 nats (SmolLM2 on "What is the capital of France?": "The" over "La"), any rounding may
+    turn the whole answer into French; the margins say how near each answer is to flipping."""
+    device = next(model.parameters(), torch.empty(0)).device
+    same = total = 0
+    margins = []
+    for question, full in zip(questions, answers, strict=True):
+        start = chat_prompt(question).shape[1]
+        full = full.to(device)
+        logp = torch.log_softmax(logits_of(model(input_ids=full[None, :-1]))[0, start - 1 :]
+                                 .float(), -1)
+        target = full[start:]
+        own = logp.gather(1, target[:, None])[:, 0]
+        other = logp.scatter(1, target[:, None], float("-inf")).amax(-1)
+        same += int((own > other).sum())
+        total += target.numel()
+        margins.append(round(float((own - other).min()), 3))
+    return {"chat_token_agreement": same / max(1, total), "chat_min_margin": margins}
