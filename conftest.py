@@ -24,3 +24,16 @@ OPTIONAL_MODULES = {
 }
 collect_ignore = [path for package, paths in OPTIONAL_MODULES.items()
                   if importlib.util.find_spec(package) is None for path in paths]
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow``: more cases of what CI already covers once (more parametrizations,
+    every mode of a bench), run only with QFUSE_SLOW_TESTS=1: CI's 2 cores keep to 15 min."""
+    if os.environ.get("QFUSE_SLOW_TESTS"):
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="slow: more cases of a covered path; set QFUSE_SLOW_TESTS=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

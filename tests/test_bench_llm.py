@@ -37,6 +37,16 @@ def test_tiny_run_writes_checked_rows(tmp_path):
 
 
 def test_generate_rows_time_generate_as_a_user_calls_it(tmp_path):
+    """generate() as a user calls it, bf16 beside qfuse int8 (every other mode: ``slow``)."""
+    out = tmp_path / "llm.json"
+    bench_llm.main(["--tiny", "--plan", "generate", "--impls", "bf16,qfuse_int8", "--out",
+                    str(out), "--modes", "generate"])
+    data = json.loads(out.read_text())
+    _check_generate_rows(data)
+
+
+@pytest.mark.slow
+def test_every_generate_mode_writes_its_row(tmp_path):
     out = tmp_path / "llm.json"
     bench_llm.main(["--tiny", "--plan", "generate", "--impls", "bf16,qfuse_int8", "--out",
                     str(out), "--modes", "generate,generate-trees,generate-decodegraphs,"
@@ -51,7 +61,12 @@ def test_generate_rows_time_generate_as_a_user_calls_it(tmp_path):
     assert attn[("qfuse_int8", "generate")] == attn[("bf16", "generate-decodegraphs-attn")] \
         == "qfuse"
     assert attn[("bf16", "generate")] == attn[("qfuse_int8", "generate-sdpa")] == "sdpa"
+    _check_generate_rows(data)
+
+
+def _check_generate_rows(data):
     rows = {r["impl"]: r for r in data["rows"] if r["mode"] == "generate"}
+    assert set(rows) == {"bf16", "qfuse_int8"}
     for r in rows.values():
         assert r["phase"] == "generate" and "error" not in r, r
         # per-token time from 16 vs 80 new tokens: the longer call took longer

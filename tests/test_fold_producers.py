@@ -73,15 +73,26 @@ def _float_output(prepared, model):
         return model(input_ids=ids).logits, folded(input_ids=ids)[0], plan
 
 
+def _cases(alpha, search):
+    """merge x dynamic x (alpha, search): CI runs two that between them cover each value
+    (merged static alpha, unmerged dynamic search); the other six are ``slow``."""
+    out = []
+    for merge in (True, False):
+        for dynamic in (True, False):
+            for sq, name in ((alpha, "alpha"), (search, "search")):
+                core = (merge, dynamic, name) in {(True, False, "alpha"), (False, True, "search")}
+                out.append(pytest.param(merge, dynamic, sq, id=f"{name}-{dynamic}-{merge}",
+                                        marks=() if core else pytest.mark.slow))
+    return out
+
+
 def _down_names(merge: bool) -> tuple[str, str]:
     up = "model.layers.0.mlp." + ("gate_proj_up_proj" if merge else "up_proj")
     return DOWN, up
 
 
-@pytest.mark.parametrize("merge", [True, False])
-@pytest.mark.parametrize("dynamic", [True, False])
-@pytest.mark.parametrize("smoothquant", [qfuse.SmoothQuant(0.8), qfuse.SmoothQuant(search=True)],
-                         ids=["alpha", "search"])
+@pytest.mark.parametrize(("merge", "dynamic", "smoothquant"),
+                         _cases(qfuse.SmoothQuant(0.8), qfuse.SmoothQuant(search=True)))
 def test_fold_into_up_rows_is_an_equivalence_in_float(llama, merge, dynamic, smoothquant):
     config = qfuse.QConfig.int8_dynamic() if dynamic else qfuse.QConfig.int8_static()
     prepared = _prepare(llama, config, merge, smoothquant=smoothquant)
@@ -186,10 +197,9 @@ def _assert_tied_over_query_heads(s: torch.Tensor) -> None:
     assert not torch.equal(heads[0], heads[2])
 
 
-@pytest.mark.parametrize("merge", [True, False])
-@pytest.mark.parametrize("dynamic", [True, False])
-@pytest.mark.parametrize("smoothquant", [qfuse.SmoothQuant(0.8, layers=("*",)),
-                                         qfuse.SmoothQuant(search=True)], ids=["alpha", "search"])
+@pytest.mark.parametrize(("merge", "dynamic", "smoothquant"),
+                         _cases(qfuse.SmoothQuant(0.8, layers=("*",)),
+                                qfuse.SmoothQuant(search=True)))
 def test_fold_into_v_rows_is_an_equivalence_in_float(llama_v, merge, dynamic, smoothquant):
     config = qfuse.QConfig.int8_dynamic() if dynamic else qfuse.QConfig.int8_static()
     prepared = _prepare(llama_v, config, merge, smoothquant=smoothquant)
