@@ -38,6 +38,7 @@ def score(model, wins: torch.Tensor, batch: int = 4) -> tuple[float, torch.Tenso
     for i in range(0, wins.shape[0], batch):
         x, y = wins[i : i + batch, :-1].to(device), wins[i : i + batch, 1:].to(device)
         logits = logits_of(model(input_ids=x)).float()
+        y = y.to(logits.device)  # a wrapper (the sweep's OnDevice) may return CPU logits
         nll += torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), y.flatten(), reduction="sum"
         ).item()

@@ -109,14 +109,25 @@ def recipes() -> list[Recipe]:
 
 
 def alpha_variant(name: str) -> Recipe | None:
-    """``"int8 dynamic + SmoothQuant(<alpha>) + GPTQ"`` (or fp8) for any alpha: the W8A8 recipe
-    at another migration strength, or None when ``name`` is not of that form."""
-    match = re.fullmatch(r"(int8|fp8) dynamic \+ SmoothQuant\((0?\.\d+|1\.0)\) \+ GPTQ", name)
-    if match is None:
+    """A GPTQ recipe at another SmoothQuant strength, or None when ``name`` is not of that
+    form: ``"int8 dynamic + SmoothQuant(<alpha>) + GPTQ"`` (or fp8; the W8A8 recipe), with
+    `` on every Linear`` after the alpha too, and ``int8 static`` / ``int8 static (down_proj
+    per-token)`` (every Linear only: a static scheme's default selection is SmoothQuant(0.5)'s
+    row)."""
+    match = re.fullmatch(r"(int8|fp8) (dynamic|static|static \(down_proj per-token\)) \+ "
+                         r"SmoothQuant\((0?\.\d+|1\.0)\)( on every Linear)? \+ GPTQ", name)
+    if match is None or (match[2] != "dynamic" and (match[1] != "int8" or not match[4])):
         return None
-    config = qfuse.QConfig.int8_dynamic() if match[1] == "int8" else qfuse.QConfig.fp8_dynamic()
-    return Recipe(name, config, {"smoothquant": qfuse.SmoothQuant(float(match[2])),
-                                 "gptq": qfuse.GPTQ()})
+    dtype, scheme, alpha, every = match[1], match[2], float(match[3]), bool(match[4])
+    if scheme == "dynamic":
+        config = qfuse.QConfig.int8_dynamic() if dtype == "int8" else qfuse.QConfig.fp8_dynamic()
+    else:
+        config = qfuse.QConfig.int8_static()
+    kwargs = {"smoothquant": qfuse.SmoothQuant(alpha, layers=("*",) if every else None),
+              "gptq": qfuse.GPTQ()}
+    if "down_proj" in scheme:
+        kwargs["layer_configs"] = {"*.down_proj": qfuse.QConfig.int8_dynamic()}
+    return Recipe(name, config, kwargs, static_int8=scheme == "static")
 
 
 def calibrate(model, recipe: Recipe, calib: torch.Tensor, batch: int = 4):
@@ -524,7 +535,8 @@ def window_nll(model, wins: torch.Tensor, batch: int = 4):
     for i in range(0, wins.shape[0], batch):
         x, y = wins[i : i + batch, :-1].to(device), wins[i : i + batch, 1:].to(device)
         logits = logits_of(model(input_ids=x)).float()
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(logits.device),
+                                                 reduction="none")
         nll += loss.mean(-1).tolist()
     return PerWindow(tuple(nll), link=math.exp)
 
