@@ -14,7 +14,10 @@ and ModelOpt do), then measured on held-out text the calibration never saw:
 - top-1 agreement: the share of held-out positions whose greedy next token equals float's;
 - generation agreement: ``generate()`` continues held-out prompts greedily; the share of
   generated tokens equal to float's continuation at the same position;
-- greedy answers to a few chat prompts (SmolLM2) or a text sample (toy).
+- greedy answers to a few chat prompts (SmolLM2) or a text sample (toy); for SmolLM2 also
+  the float model's answers teacher-forced through the quantized one
+  (``chat_token_agreement``, and per prompt ``chat_min_margin``: the least log-prob margin of
+  float's token, negative where it flips).
 
 "best int8 static" is the int8 static config with the lowest perplexity on the validation
 windows (calibration text the observers never saw), never chosen on held-out text;
@@ -544,7 +547,8 @@ def window_nll(model, wins: torch.Tensor, batch: int = 4):
 def sweep_spec(reduced: bool = False, model: str = "smollm2"):
     """The LLM yardstick as a ``qfuse sweep`` recipe: held-out perplexity (lower is better);
     ``best`` searches ``SearchSpace.llm()`` (int8/fp8 with per-token activations, SmoothQuant
-    0.8, GPTQ, auto_fallback of <= 10% of the Linears to fp8 ranked by the local sensitivity)
+    0.6 to 0.8, GPTQ, auto_fallback of <= 10% of the Linears to fp8 ranked by the local
+    sensitivity)
     on 32 validation windows, within 1% of float's validation perplexity by default, the drop
     plus its noise margin (``window_nll``'s per-window NLL, ``qfuse.tools.margin``).
 
