@@ -115,9 +115,12 @@ def _logits(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-@pytest.mark.parametrize("config", [qfuse.QConfig.w4a16(32), qfuse.QConfig.w4a16(None, False),
-                                    qfuse.QConfig.w4a8(32), qfuse.QConfig.w4a8(32, dynamic=False)],
-                         ids=["w4a16_g32", "w4a16_channel_asym", "w4a8_dynamic", "w4a8_static"])
+@pytest.mark.parametrize("config", [
+    qfuse.QConfig.w4a16(32),
+    pytest.param(qfuse.QConfig.w4a16(None, False), marks=pytest.mark.slow),
+    qfuse.QConfig.w4a8(32),
+    pytest.param(qfuse.QConfig.w4a8(32, dynamic=False), marks=pytest.mark.slow),
+], ids=["w4a16_g32", "w4a16_channel_asym", "w4a8_dynamic", "w4a8_static"])
 def test_flow_graph_model_save_load(llama, config, tmp_path):
     ids = torch.randint(0, 96, (2, 10))
     prepared = qfuse.prepare(llama, config, (), example_kwargs={"input_ids": ids},

@@ -63,7 +63,7 @@ def test_zoo_llama_int8_static_symmetric(tmp_path):
     _judge(row, max_rel=0.03)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])  # Mistral here is Llama's arch
+@pytest.mark.parametrize("name", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_zoo_llms_int8_dynamic(name, tmp_path):
     row = run(name, qfuse.QConfig.int8_dynamic(), save_dir=str(tmp_path))
     _judge(row, max_rel=0.03)
@@ -72,7 +72,8 @@ def test_zoo_llms_int8_dynamic(name, tmp_path):
 # fp8 e4m3 keeps 3 mantissa bits: 31.5 dB per tensor whatever the scale, ~28.5 dB per GEMM
 # (weights and activations), on every layer of every zoo model. Models whose output runs
 # through 4+ GEMMs in a row unaveraged miss 5% (T5, wav2vec2, ConvNeXt: README zoo table).
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "whisper_encoder"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "llama", "bert",
+                                  pytest.param("whisper_encoder", marks=pytest.mark.slow)])
 def test_zoo_fp8_static(name, tmp_path):
     row = run(name, qfuse.QConfig.fp8_static(), save_dir=str(tmp_path))
     _judge(row, max_rel=0.05)
