@@ -22,8 +22,9 @@ and ModelOpt do), then measured on held-out text the calibration never saw:
 "best int8 static" is the int8 static config with the lowest perplexity on the validation
 windows (calibration text the observers never saw), never chosen on held-out text;
 ``auto_fallback`` and QAT start from it. ``auto_fallback`` moves the layers that lose most when
-quantized alone (``qfuse.sensitivity``: output SQNR on one validation window) to fp8, at most
-``--fallback-fraction`` of the Linears (10%: a merged Q/K/V counts three); its row lists them.
+quantized alone (``qfuse.sensitivity``: output SQNR on one validation window) to fp8 (or, with
+``--fallback per-token``, to int8 with per-token activations), at most ``--fallback-fraction`` of
+the Linears (10%: a merged Q/K/V counts three); its row lists them.
 ``--peer`` runs ``bench/models/llm_peer.py`` (llm-compressor W8A8 with SmoothQuant + GPTQ, and
 FP8_DYNAMIC) in its own venv on the same windows, beside qfuse's configs, and adds their rows.
 """
@@ -253,13 +254,16 @@ def run(
     peer_threads=1,
     partial: Path | None = None,
     ranking: str = "full",
+    fallback: str = "fp8",
 ) -> dict:
     """Every recipe (or those ``names``) on ``model_name``; the result dict the CLI writes.
     ``device``/``dtype``: where and in what the model runs (on CUDA, bf16 runs the Triton
     kernels; each quantized row is then measured against the bf16 model). ``partial``: a file
     rewritten with the rows measured so far after each one (an interrupted run keeps them).
     ``ranking``: ``qfuse.sensitivity``'s method for auto_fallback's order ("full": one convert
-    per layer, ~14 min on SmolLM2 on the CPU; "local": one forward, each layer's own SQNR)."""
+    per layer, ~14 min on SmolLM2 on the CPU; "local": one forward, each layer's own SQNR).
+    ``fallback``: where auto_fallback moves layers, "fp8" or "per-token" (int8 with per-token
+    activations: SmolLM2's sink-token down_proj inputs need a range per token)."""
     data = dataset(model_name)
     known = {r.name: r for r in recipes()}
     known.update({n: alpha_variant(n) for n in names or () if alpha_variant(n) is not None})
@@ -324,17 +328,17 @@ def run(
                                    layers=layers, quiet=not progress, method=ranking)
         _, fb = qfuse.auto_fallback(
             prepared, lambda m: data.score(m, valid)[0], max_drop=budget,
-            max_fraction=fallback_fraction, higher_is_better=False, fallback="fp8",
+            max_fraction=fallback_fraction, higher_is_better=False, fallback=fallback,
             report=report, quiet=not progress,
         )
-        moved = {n: torch.float8_e4m3fn for n in fb.fallback_layers}
+        moved = ({"per_token": list(fb.fallback_layers)} if fallback == "per-token" else
+                 {"layer_dtypes": {n: torch.float8_e4m3fn for n in fb.fallback_layers}})
         qmodel = qfuse.convert(prepared, output="model", keep_float=lm_head(prepared),
-                               layer_dtypes=moved,
-                               notes=fb.fallback_layers)
+                               notes=fb.fallback_layers, **moved)
         rows.append(
             dict(
-                config=f"{recipe.name} + auto_fallback (fp8, <= {fallback_fraction:.0%} of "
-                f"Linears)",
+                config=f"{recipe.name} + auto_fallback ({fallback}, <= {fallback_fraction:.0%} "
+                f"of Linears)",
                 convert_seconds=time.perf_counter() - t0,
                 fallback_layers=sorted(fb.fallback_layers),
                 fallback_linears=fb.moved,
@@ -475,6 +479,9 @@ def main() -> None:
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-compute row")
     parser.add_argument("--ranking", choices=("full", "local"), default="full",
                         help="auto_fallback's layer ranking (qfuse.sensitivity's method)")
+    parser.add_argument("--fallback", choices=("fp8", "per-token"), default="fp8",
+                        help="where auto_fallback moves layers: fp8, or int8 with per-token "
+                        "activations")
     parser.add_argument("--peer", default=None, help="python of a venv with llmcompressor")
     parser.add_argument("--out", type=Path, default=Path("llm_ptq.json"))
     parser.add_argument("--threads", type=int, default=2)
@@ -509,6 +516,7 @@ def main() -> None:
         peer_threads=args.threads,
         partial=args.out.with_suffix(".rows.json"),
         ranking=args.ranking,
+        fallback=args.fallback,
     )
     result["seconds"] = time.perf_counter() - start
     result["command"] = "python -m qfuse.recipes.ptq_llm " + " ".join(sys.argv[1:])

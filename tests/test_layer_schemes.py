@@ -117,3 +117,58 @@ def test_mixed_schemes_run_the_triton_kernels_on_cuda(llama):
     assert (out - ref).norm() / ref.norm() < 0.1
     rows = {r["name"]: r for r in summary(qmodel).rows}
     assert rows["model.layers.0.mlp.down"]["input"] == "float → int8 per token (dynamic)"
+
+
+def _calibrated(model, **kw):
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (),
+                             example_kwargs={"input_ids": _ids(0)}, **kw)
+    with torch.no_grad():
+        for seed in (1, 2):
+            prepared(input_ids=_ids(seed, batch=4))
+    return prepared
+
+
+def test_convert_per_token_equals_the_layer_config(llama):
+    """``convert(per_token=...)`` on a static prepared model: the same layers and outputs as
+    preparing with a dynamic layer config, and the prepared model keeps its own state."""
+    downs = ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    plain = _calibrated(llama)
+    by_convert = qfuse.convert(plain, output="model", per_token=downs)
+    by_prepare = qfuse.convert(_calibrated(llama, layer_configs=DYNAMIC), output="model")
+    ids = _ids(9)
+    with torch.no_grad():
+        assert torch.equal(by_convert(input_ids=ids).logits, by_prepare(input_ids=ids).logits)
+    again = qfuse.convert(plain, output="model")  # per_token did not stick to the prepared one
+    assert not any(m.dynamic for m in again.modules() if isinstance(m, QLinear))
+
+
+def test_per_token_refuses_unknown_layers_and_dynamic_configs(llama):
+    with pytest.raises(qfuse.QFuseError, match="not fusible chains"):
+        qfuse.convert(_calibrated(llama), per_token=["model.layers.0.mlp.dwn_proj"])
+    dyn = qfuse.prepare(llama, qfuse.QConfig.int8_dynamic(), (),
+                        example_kwargs={"input_ids": _ids(0)})
+    with pytest.raises(qfuse.UnsupportedError, match="already dynamic"):
+        qfuse.convert(dyn, per_token=["model.layers.0.mlp.down_proj"])
+    with pytest.raises(qfuse.QFuseError, match="already dynamic"):
+        qfuse.auto_fallback(dyn, lambda m: 0.0, max_layers=1, fallback="per-token", quiet=True)
+
+
+def test_auto_fallback_moves_layers_to_per_token(llama):
+    prepared = _calibrated(llama)
+    ids = _ids(9)
+    with torch.no_grad():
+        ref = llama(input_ids=ids).logits
+
+    def score(m):  # higher is better
+        with torch.no_grad():
+            out = m(input_ids=ids)
+        out = out.logits if hasattr(out, "logits") else out[0]
+        return -float((out - ref).norm() / ref.norm())
+
+    qmodel, fb = qfuse.auto_fallback(prepared, score, max_layers=2, fallback="per-token",
+                                     data=[{"input_ids": ids}], quiet=True)
+    assert fb.fallback == "per-token" and fb.moved == 2 and len(fb.fallback_layers) == 2
+    rows = {r["name"]: r for r in summary(qmodel).rows}
+    for name in fb.fallback_layers:
+        assert rows[name]["input"] == "float → int8 per token (dynamic)", (name, rows[name])
+    assert sum(r["input"] == "float → int8 per token (dynamic)" for r in rows.values()) == 2

@@ -31,7 +31,7 @@ from qfuse.observers.base import observers_disabled
 from qfuse.progress import progress_bar
 from qfuse.state import get_state
 
-FALLBACKS = ("float", "fp8")
+FALLBACKS = ("float", "fp8", "per-token")
 
 
 @dataclass
@@ -39,7 +39,7 @@ class FallbackResult:
     baseline: float
     metric: float  # of the returned model
     max_drop: float | None
-    fallback: str  # "float" | "fp8"
+    fallback: str  # "float" | "fp8" | "per-token"
     fallback_layers: dict[str, str]  # layer -> why it left int8
     evaluations: int
     report: SensitivityReport
@@ -69,7 +69,10 @@ def auto_fallback(
     quiet: bool = False,
 ) -> tuple[fx.GraphModule, FallbackResult]:
     """Convert ``prepared`` with the fewest layers moved out of the config's precision (to float,
-    or to fp8 with ``fallback="fp8"``) such that the metric drop <= max_drop.
+    to fp8 with ``fallback="fp8"``, or, in a static config, to per-token activations of the same
+    dtype with ``fallback="per-token"``: still int8 GEMMs, but a range per token where one per
+    tensor cannot serve, as an LLM's sink tokens in ``down_proj``) such that the metric drop <=
+    max_drop.
 
     A layer budget, ``max_layers`` (a count) or ``max_fraction`` (a share, rounded down) of
     the model's Linear/conv layers (a merged Q/K/V layer counts three), caps the layers moved:
@@ -98,6 +101,9 @@ def auto_fallback(
         raise QFuseError(f"fallback={fallback!r}: choose one of {FALLBACKS}.")
     if fallback == "fp8" and get_state(prepared).config.dtype == torch.float8_e4m3fn:
         raise QFuseError("fallback='fp8' moves int8 layers to fp8; this config is already fp8.")
+    if fallback == "per-token" and get_state(prepared).config.is_dynamic:
+        raise QFuseError("fallback='per-token' moves static layers to per-token activations; "
+                         "this config is already dynamic.")
     sizes = layer_sizes(prepared)
     cap = layer_budget(max_layers, max_fraction, sum(sizes.values()))
     if max_drop is None and cap is None:
@@ -109,6 +115,8 @@ def auto_fallback(
     def convert_with(layers: dict[str, str]):
         if fallback == "float":
             return convert(prepared, keep_float=layers)
+        if fallback == "per-token":
+            return convert(prepared, per_token=list(layers), notes=layers)
         return convert(
             prepared, layer_dtypes={n: torch.float8_e4m3fn for n in layers}, notes=layers
         )

@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import fx
 
+from qfuse.config import PerToken
 from qfuse.errors import QFuseError, UnsupportedError
 from qfuse.flows.build import QUANT_NAMES, build, record
 from qfuse.flows.plan import LayerPlan
@@ -83,6 +84,7 @@ def convert(
     fuse_norms: bool | None = None,
     fuse_pools: bool | None = None,
     fuse_attention: bool | None = None,
+    per_token: Iterable[str] | None = None,
 ) -> fx.GraphModule | torch.nn.Module:
     """Replace every calibrated chain of ``prepared`` with its fused quantized module.
 
@@ -106,6 +108,9 @@ def convert(
     static quantized layer write that layer's int8/fp8 input (``fusion.attention_quant``; False
     keeps SDPA and the layer's quantize pass). All default to the ``PipelineOptions`` given to
     ``prepare`` (all on); ``qfuse.save`` records the options and ``qfuse.load`` replays them.
+    ``per_token`` names layers of a static model that quantize their input per token at run
+    time instead (as ``prepare``'s ``layer_configs`` with a dynamic QConfig would; their
+    producers then hand them float): what ``auto_fallback(fallback="per-token")`` moves.
     Raises ``CalibrationError``
     (naming the layer) if a quantized layer saw no calibration data or only zeros. See
     ``qfuse.prepare`` for a full example.
@@ -121,13 +126,16 @@ def convert(
     keep_float = dict(keep_float or {})
     layer_dtypes = dict(layer_dtypes or {})
     notes = dict(notes or {})
-    named = set(keep_float) | set(layer_dtypes) | set(notes)
+    per_token = list(per_token or ())
+    named = set(keep_float) | set(layer_dtypes) | set(notes) | set(per_token)
     unknown = sorted(named - {c.name for c in state.chains})
     if unknown:
         raise QFuseError(
-            f"keep_float/layer_dtypes/notes name layers that are not fusible chains: {unknown}; "
-            "use the names in qfuse.summary(prepared)."
+            f"keep_float/layer_dtypes/notes/per_token name layers that are not fusible chains: "
+            f"{unknown}; use the names in qfuse.summary(prepared)."
         )
+    if per_token:
+        state = _with_per_token(state, per_token)
     bad = {n: d for n, d in layer_dtypes.items() if d not in QUANT_NAMES}
     if bad:
         raise UnsupportedError(
@@ -242,6 +250,22 @@ def convert(
     state.samples = {}
     set_state(gm, state)
     return make_picklable(gm)  # torch.save / pickle of the whole module (pipeline.pickling)
+
+
+def _with_per_token(state: QFuseState, names: list[str]) -> QFuseState:
+    """A copy of ``state`` whose ``layer_configs`` make ``names`` dynamic (per token), ahead of
+    the globs ``prepare`` was given; the prepared model's own state is left as it is."""
+    config = state.config
+    if config.is_dynamic or config.weight_only:
+        raise UnsupportedError(
+            f"per_token={names}: moves layers of a static W8A8 config to per-token activations; "
+            f"this config is {'weight-only' if config.weight_only else 'already dynamic'}."
+        )
+    dynamic = dataclasses.replace(config, activation_granularity=PerToken())
+    layer_configs = {name: dynamic for name in names}
+    for pattern, cfg in (getattr(state, "layer_configs", None) or {}).items():
+        layer_configs.setdefault(pattern, cfg)
+    return dataclasses.replace(state, layer_configs=layer_configs)
 
 
 def _options(state, **given) -> PipelineOptions:
