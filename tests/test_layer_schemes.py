@@ -172,3 +172,22 @@ def test_auto_fallback_moves_layers_to_per_token(llama):
     for name in fb.fallback_layers:
         assert rows[name]["input"] == "float → int8 per token (dynamic)", (name, rows[name])
     assert sum(r["input"] == "float → int8 per token (dynamic)" for r in rows.values()) == 2
+
+
+def test_mixed_schemes_save_and_load(llama, tmp_path):
+    """A saved static model with per-token down_proj loads with the same schemes and outputs."""
+    import copy
+
+    graph = qfuse.convert(_calibrated(llama, layer_configs=DYNAMIC))
+    path = tmp_path / "mixed.safetensors"
+    qfuse.save(graph, path)
+    loaded = qfuse.load(path, copy.deepcopy(llama), (), {"input_ids": _ids(0)})
+    ids = _ids(9)
+    with torch.no_grad():
+        a, b = graph(input_ids=ids), loaded(input_ids=ids)
+    a = a.logits if hasattr(a, "logits") else a[0]
+    b = b.logits if hasattr(b, "logits") else b[0]
+    assert torch.equal(a, b)
+    inputs = {r["name"]: r["input"] for r in summary(loaded).rows}
+    assert inputs["model.layers.0.mlp.down_proj"] == "float → int8 per token (dynamic)"
+    assert inputs["model.layers.0.mlp.gate_proj_up_proj"] != "float → int8 per token (dynamic)"
