@@ -33,18 +33,35 @@ def score(model, wins: torch.Tensor, batch: int = 4) -> tuple[float, torch.Tenso
         >>> 1 < ppl < 880, tuple(greedy.shape)  # 880: the unigram baseline's (manifest.json)
         (True, (2, 128))
     """
-    device = _device(model)
     nll, count, greedy = 0.0, 0, []
-    for i in range(0, wins.shape[0], batch):
-        x, y = wins[i : i + batch, :-1].to(device), wins[i : i + batch, 1:].to(device)
-        logits = logits_of(model(input_ids=x)).float()
-        y = y.to(logits.device)  # a wrapper (the sweep's OnDevice) may return CPU logits
+    for logits, y in _batches(model, wins, batch):
         nll += torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), y.flatten(), reduction="sum"
         ).item()
         count += y.numel()
         greedy.append(logits.argmax(-1).cpu())
     return math.exp(nll / count), torch.cat(greedy)
+
+
+@torch.no_grad()
+def window_nll(model, wins: torch.Tensor, batch: int = 4) -> list[float]:
+    """Each window's mean next-token NLL; with windows of one length, exp of their mean is
+    ``score``'s perplexity."""
+    nll: list[float] = []
+    for logits, y in _batches(model, wins, batch):
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+        nll += loss.mean(-1).tolist()
+    return nll
+
+
+def _batches(model, wins: torch.Tensor, batch: int):
+    """(float32 logits, targets on the logits' device) per batch of windows; the inputs go to
+    the model's device (a wrapper such as the sweep's ``OnDevice`` may return CPU logits)."""
+    device = _device(model)
+    for i in range(0, wins.shape[0], batch):
+        x, y = wins[i : i + batch, :-1].to(device), wins[i : i + batch, 1:]
+        logits = logits_of(model(input_ids=x)).float()
+        yield logits, y.to(logits.device)
 
 
 @torch.no_grad()

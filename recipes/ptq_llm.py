@@ -532,33 +532,24 @@ def main() -> None:
 SWEEP_VALIDATION = 32
 
 
-@torch.no_grad()
 def window_nll(model, wins: torch.Tensor, batch: int = 4):
     """Each window's mean next-token NLL as ``PerWindow`` scores whose metric, exp of their mean,
     is ``score``'s perplexity (the windows are of one length): ``qfuse.search`` bounds a
     candidate's drop by their paired spread vs float."""
-    from qfuse.calibration.causal_lm import logits_of
+    from qfuse.calibration.causal_lm import window_nll as nll
 
     from qfuse.tools.margin import PerWindow
 
-    device = next(model.parameters(), torch.empty(0)).device
-    nll = []
-    for i in range(0, wins.shape[0], batch):
-        x, y = wins[i : i + batch, :-1].to(device), wins[i : i + batch, 1:].to(device)
-        logits = logits_of(model(input_ids=x)).float()
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y.to(logits.device),
-                                                 reduction="none")
-        nll += loss.mean(-1).tolist()
-    return PerWindow(tuple(nll), link=math.exp)
+    return PerWindow(tuple(nll(model, wins, batch)), link=math.exp)
 
 
 def sweep_spec(reduced: bool = False, model: str = "smollm2"):
     """The LLM yardstick as a ``qfuse sweep`` recipe: held-out perplexity (lower is better);
     ``best`` searches ``SearchSpace.llm()`` (int8/fp8 with per-token activations, SmoothQuant
     0.6 to 0.8, GPTQ, auto_fallback of <= 10% of the Linears to fp8 ranked by the local
-    sensitivity)
-    on 32 validation windows, within 1% of float's validation perplexity by default, the drop
-    plus its noise margin (``window_nll``'s per-window NLL, ``qfuse.tools.margin``).
+    sensitivity) on 32 validation windows, within 1% of float's validation perplexity by
+    default, the drop plus its noise margin (``window_nll``'s per-window NLL,
+    ``qfuse.tools.margin``).
 
     ``reduced``: 8 calibration, 4 validation and 4 held-out windows, latency on one window.
     """

@@ -177,14 +177,19 @@ class SharedProduct(nn.Module):
         return self.down(p) + p[..., : x.shape[-1]]
 
 
+def _assert_smoothed_in_prologue(model, x, layer: str) -> None:
+    """``layer`` alone smoothed: its factors stay in its prologue, no producer row changes."""
+    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,), merge_siblings=False,
+                             smoothquant=qfuse.SmoothQuant(0.5, layers=(layer,)))
+    prepared(x)
+    _, plan = planned_float(prepared)
+    assert plan.where_smoothed(layer) == "prologue" and not plan.row_divisors
+
+
 def test_a_product_with_another_reader_is_not_folded():
     torch.manual_seed(0)
     model, x = SharedProduct().eval(), torch.randn(4, 8, 16)
-    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,), merge_siblings=False,
-                             smoothquant=qfuse.SmoothQuant(0.5, layers=("down",)))
-    prepared(x)
-    _, plan = planned_float(prepared)
-    assert plan.where_smoothed("down") == "prologue" and not plan.row_divisors
+    _assert_smoothed_in_prologue(model, x, "down")
     with pytest.raises(qfuse.UnsupportedError, match="no layer is eligible"):
         qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,), merge_siblings=False,
                       smoothquant=qfuse.SmoothQuant(0.5))  # up/gate read x, no norm: nothing
@@ -277,12 +282,7 @@ class NonlinearValue(nn.Module):
 
 def test_a_value_not_linear_in_v_is_not_folded():
     torch.manual_seed(0)
-    model, x = NonlinearValue().eval(), torch.randn(2, 8, 32)
-    prepared = qfuse.prepare(model, qfuse.QConfig.int8_static(), (x,), merge_siblings=False,
-                             smoothquant=qfuse.SmoothQuant(0.5, layers=("o",)))
-    prepared(x)
-    _, plan = planned_float(prepared)
-    assert plan.where_smoothed("o") == "prologue" and not plan.row_divisors
+    _assert_smoothed_in_prologue(NonlinearValue().eval(), torch.randn(2, 8, 32), "o")
 
 
 @pytest.mark.parametrize("merge", [True, False])

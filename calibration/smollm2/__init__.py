@@ -181,8 +181,8 @@ def chat_agreement(model, answers: list, questions=CHAT_PROMPTS) -> dict:
     log-probability margin of float's token over the best other one (negative: it flips).
 
     A greedy answer is brittle evidence alone: where float's own first-token margin is
-    0.08 nats (SmolLM2 on "What is the capital of France?": "The" over "La"), any rounding may
-    turn the whole answer into French; the margins say how near each answer is to flipping."""
+    0.08 nats (SmolLM2's float32 answer to "What is the capital of France?"), any rounding may
+    change the whole answer; the margins say how near each answer is to flipping."""
     device = next(model.parameters(), torch.empty(0)).device
     same = total = 0
     margins = []
